@@ -1,0 +1,1 @@
+"""When work runs: sequences, scheduling, the engine loop, sampling and run statistics."""

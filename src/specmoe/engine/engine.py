@@ -1,0 +1,221 @@
+"""The engine loop: admit requests, prefill them, decode the running batch, retire.
+
+One `step()` either prefills newly admitted sequences or advances every running sequence
+by one decode step (plain: one token; speculative: draft + verify, 1..gamma+1 tokens).
+Requests may join and leave between steps (continuous batching).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Checkpoint
+from ..config import EngineConfig, format_bytes
+from ..errors import SpecMoEError
+from ..experts.budget import DeviceBudget
+from ..model.transformer import ModelWeights, MoETransformer
+from ..policies import Runtime, make_policy
+from ..tokenizer import Tokenizer
+from .sampling import SamplingParams, sample_token
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stats import RunCounters
+
+MAX_PREFILL_TOKENS = 4096  # tokens per prefill forward: bounds activation memory
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SpecMoEError("device cuda requested but torch sees no CUDA device; use --device cpu or auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, ckpt: Checkpoint, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    # On the CPU compute in float32: bf16 rounding differs with batch shapes, and greedy
+    # outputs must not depend on which policy batched the work. On CUDA: the checkpoint's.
+    return torch.float32 if device.type == "cpu" else ckpt.torch_dtype()
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, options: EngineConfig):
+        self.options = options
+        self.checkpoint = Checkpoint(model_dir)
+        self.config = self.checkpoint.config
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.checkpoint, self.device)
+        self.tokenizer = Tokenizer.from_dir(self.checkpoint.dir)
+        self.max_model_len = min(
+            options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
+        )
+        self.budget = DeviceBudget(options.device_memory)
+        weights = ModelWeights.load(self.checkpoint, self.device, self.dtype)
+        self.budget.reserve("non-expert weights", weights.nbytes)
+        self.model = MoETransformer(self.config, weights, self.device, self.dtype)
+        self.cache = self.model.new_cache(options.max_batch_size)
+        # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
+        # expert pool sized after it can never be squeezed by a growing cache.
+        kv_bytes = self.cache.bytes_per_token() * options.max_batch_size * self.max_model_len
+        self.budget.reserve(
+            "KV cache", kv_bytes,
+            hint=f" ({options.max_batch_size} sequences x {self.max_model_len} positions; "
+            "lower --batch-size or --max-model-len to need less)",
+        )
+        self.policy = make_policy(
+            options.policy,
+            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options),
+        )
+        self.scheduler = Scheduler(options.max_batch_size)
+        self.counters = RunCounters()
+        self._next_id = 0
+        self._decoder = None
+        if self.policy.speculative:
+            from ..spec.decoder import SpeculativeDecoder
+
+            self._decoder = SpeculativeDecoder(self)
+
+    # --- requests ----------------------------------------------------------------------
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpecMoEError("empty prompt: give at least one character or token id")
+            if self.tokenizer is None:
+                raise SpecMoEError(
+                    f"{self.checkpoint.dir} has no tokenizer.json: pass prompts as token ids (prompt_token_ids)"
+                )
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise SpecMoEError("a token-id prompt must be a list of integers")
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise SpecMoEError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not ids:
+            raise SpecMoEError("empty prompt: give at least one character or token id")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams) -> Sequence:
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise SpecMoEError(
+                f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} positions: "
+                "shorten the prompt" + (" or raise --max-model-len" if self.max_model_len < self.config.max_position_embeddings else "")
+            )
+        seq = Sequence(self._next_id, ids, params)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request; a running one leaves (and frees its slot) after the current step."""
+        self.scheduler.cancel(request_id)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Run one step; return the sequences that finished in it."""
+        admitted = self.scheduler.admit(self.cache.free_slots)
+        if admitted:
+            for seq in admitted:
+                seq.slot = self.cache.allocate()
+            t0 = time.perf_counter()
+            self._prefill(admitted)
+            self.counters.prefill_s += time.perf_counter() - t0
+        else:
+            running = [s for s in self.scheduler.running if not s.finished]
+            if running:
+                t0 = time.perf_counter()
+                produced = self._decoder.step(running) if self._decoder else self._decode(running)
+                self.counters.add_step(time.perf_counter() - t0, len(running), produced)
+        done = self.scheduler.retire()
+        for seq in done:
+            self.cache.free(seq.slot)
+            self._finalize_text(seq)
+        return done
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        self.policy.begin_pass("prefill")
+        chunk: list[Sequence] = []
+        for seq in seqs:
+            if chunk and sum(len(s.prompt_ids) for s in chunk) + len(seq.prompt_ids) > MAX_PREFILL_TOKENS:
+                self._prefill_chunk(chunk)
+                chunk = []
+            chunk.append(seq)
+        self._prefill_chunk(chunk)
+
+    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
+        logits = self.forward_logits(
+            [s.slot for s in seqs], [s.prompt_ids for s in seqs], rows="last"
+        )
+        for seq, row in zip(seqs, logits):
+            self.append_token(seq, sample_token(row, seq.params, seq.generator))
+
+    def _decode(self, seqs: list[Sequence]) -> int:
+        self.policy.begin_pass("decode")
+        logits = self.forward_logits([s.slot for s in seqs], [[s.pending] for s in seqs], rows="last")
+        for seq, row in zip(seqs, logits):
+            self.append_token(seq, sample_token(row, seq.params, seq.generator))
+        return len(seqs)
+
+    def forward_logits(self, slots, token_lists, rows="last", experts=None) -> torch.Tensor:
+        """Feed each slot its new tokens; logits [B, V] of each last token ('last') or
+        [T, V] of every new token ('all')."""
+        starts = [self.cache.lengths[slot] for slot in slots]
+        batch = self.model.step_batch(slots, starts, [len(t) for t in token_lists])
+        tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=self.device)
+        hidden = self.model.forward(tokens, batch, self.cache, experts or self.policy)
+        if rows == "last":
+            hidden = hidden[batch.last_token_rows()]
+        return self.model.logits(hidden)
+
+    # --- finishing -------------------------------------------------------------------------
+
+    def append_token(self, seq: Sequence, token: int) -> bool:
+        """Append a generated token; return True when the sequence has finished."""
+        now = time.perf_counter()
+        seq.output_ids.append(token)
+        seq.first_token_s = seq.first_token_s or now
+        seq.last_token_s = now
+        params = seq.params
+        if not params.ignore_eos and token in self.config.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif params.stop and self.tokenizer and self._hit_stop(seq):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or seq.total_len >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finished
+
+    def _hit_stop(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids)
+        return any(stop in text for stop in seq.params.stop)
+
+    def _finalize_text(self, seq: Sequence) -> None:
+        if self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(seq.output_ids)
+        for stop in seq.params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        seq.text = text
+
+    def run_until_done(self, on_step=None) -> None:
+        while self.scheduler.has_work:
+            self.step()
+            if on_step:
+                on_step()
+
+    def describe_budget(self) -> str:
+        return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.budget.by_item.items())
+
+    def close(self) -> None:
+        self.policy.close()

@@ -1,0 +1,75 @@
+"""Run statistics (DESIGN.md §4): counters kept during a run, one dict at its end."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+
+def token_ids_sha256(outputs: list[list[int]]) -> str:
+    """SHA-256 of the generated token ids, request by request, in order."""
+    return hashlib.sha256(json.dumps(outputs, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class RunCounters:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0  # decode steps (a speculative step = draft + verify)
+    seq_steps: int = 0  # sum over decode steps of the sequences in them
+    decode_tokens: int = 0  # tokens produced by decode steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def add_step(self, seconds: float, num_seqs: int, new_tokens: int) -> None:
+        self.decode_s += seconds
+        self.steps += 1
+        self.seq_steps += num_seqs
+        self.decode_tokens += new_tokens
+
+
+def summarize(
+    *, policy: str, batch_size: int, gamma: int | None, draft_experts: int | None, seqs, counters: RunCounters,
+    wall_s: float, policy_stats: dict, device_peak_bytes: int,
+) -> dict:
+    prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
+    generated = sum(len(s.output_ids) for s in seqs)
+    ttfts = [s.first_token_s - s.arrival_s for s in seqs if s.first_token_s is not None]
+    tbts = [
+        (s.last_token_s - s.first_token_s) / (len(s.output_ids) - 1)
+        for s in seqs
+        if len(s.output_ids) > 1 and s.last_token_s is not None
+    ]
+    transfer = int(policy_stats.get("transfer_bytes", 0))
+    stats = {
+        "policy": policy,
+        "batch_size": batch_size,
+        "gamma": gamma,
+        "draft_experts": draft_experts,
+        "num_requests": len(seqs),
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": generated,
+        "wall_s": wall_s,
+        "prefill_s": counters.prefill_s,
+        "decode_s": counters.decode_s,
+        "decode_tokens_per_s": counters.decode_tokens / counters.decode_s if counters.decode_s else 0.0,
+        "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
+        "tbt_s": sum(tbts) / len(tbts) if tbts else None,
+        "steps": counters.steps,
+        "tokens_per_step": counters.decode_tokens / counters.seq_steps if counters.seq_steps else 0.0,
+        "acceptance_rate": counters.accepted / counters.drafted if counters.drafted else None,
+        "draft_s": counters.draft_s,
+        "verify_s": counters.verify_s,
+        "transfer_bytes": transfer,
+        "transfer_bytes_per_token": transfer / generated if generated else 0.0,
+        "device_peak_bytes": device_peak_bytes,
+        "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),
+    }
+    for key, value in policy_stats.items():
+        stats.setdefault(key, value)
+    stats.update(counters.extra)
+    return stats

@@ -1,0 +1,43 @@
+"""The device-memory ledger: every byte placed on the compute device is reserved here.
+
+Plain bookkeeping. `peak` is what `device_peak_bytes` reports; a reservation over the
+limit is refused with a message that says how much is needed.
+"""
+
+from __future__ import annotations
+
+from ..config import format_bytes
+from ..errors import SpecMoEError
+
+
+class DeviceBudget:
+    def __init__(self, limit: int | None):
+        self.limit = limit  # None: no limit (the whole device)
+        self.used = 0
+        self.peak = 0
+        self.by_item: dict[str, int] = {}
+
+    def available(self) -> float:
+        return float("inf") if self.limit is None else self.limit - self.used
+
+    def reserve(self, item: str, nbytes: int, hint: str = "") -> None:
+        if self.limit is not None and self.used + nbytes > self.limit:
+            need = self.used + nbytes
+            raise SpecMoEError(
+                f"device memory {format_bytes(self.limit)} is too small: {item} needs {format_bytes(nbytes)} "
+                f"more ({format_bytes(self.used)} already used){hint}; raise --device-memory to at least "
+                f"{format_bytes(need)}"
+            )
+        self.used += nbytes
+        self.by_item[item] = self.by_item.get(item, 0) + nbytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, item: str, nbytes: int) -> None:
+        held = self.by_item.get(item, 0)
+        if nbytes > held:
+            raise RuntimeError(f"releasing {nbytes} bytes of {item!r} but only {held} are reserved")
+        self.by_item[item] = held - nbytes
+        self.used -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.used

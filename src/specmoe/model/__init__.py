@@ -1,0 +1,1 @@
+"""What to compute: the MoE transformer, its router and expert dispatch, its KV cache."""

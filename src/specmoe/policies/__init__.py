@@ -1,0 +1,23 @@
+"""Expert placement and movement policies, one small module each, one interface.
+
+`make_policy(name, runtime)` builds one; `POLICIES` lists the names users may pass.
+"""
+
+from __future__ import annotations
+
+from ..errors import SpecMoEError
+from .base import Policy, Runtime
+from .resident import ResidentPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    ResidentPolicy.name: ResidentPolicy,
+}
+
+
+def make_policy(name: str, runtime: Runtime) -> Policy:
+    if name not in POLICIES:
+        raise SpecMoEError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return POLICIES[name](runtime)
+
+
+__all__ = ["POLICIES", "Policy", "Runtime", "make_policy"]
