@@ -125,6 +125,13 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file header, without reading its bytes."""
+        return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+
+    def is_routed_expert(self, name: str) -> bool:
+        return ".experts." in name
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise SpecMoEError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")

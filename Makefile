@@ -1,0 +1,28 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Each creates .venv when missing.
+# torch is pinned first so that pip keeps the CPU build instead of pulling a multi-GB CUDA one.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+
+$(BIN)/specmoe: pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: install demo test bench
+install: $(BIN)/specmoe
+
+demo: install
+	$(BIN)/specmoe info
+	$(BIN)/specmoe generate "The built-in function len returns" --max-tokens 48
+	$(BIN)/specmoe generate --prompts-file benchmarks/prompts/heldout.jsonl --num-prompts 16 \
+		--max-tokens 32 --policy specmoe --offload disk --batch-size 16 > /dev/null
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(BIN)/specmoe bench --markdown BENCHMARKS.md --json bench.json --plot bench.png

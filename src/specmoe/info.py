@@ -1,0 +1,85 @@
+"""`specmoe info`: a model's shape, its bytes by kind, and what fits in a device budget."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .checkpoint import Checkpoint
+from .config import format_bytes, parse_size
+
+
+def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto") -> dict:
+    from .engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
+    from .llm import default_model_dir
+
+    ckpt = Checkpoint(Path(model) if model else default_model_dir())
+    c = ckpt.config
+    compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.names if not ckpt.is_routed_expert(n))
+    expert_bytes = c.expert_params * elem
+    num_experts_total = len(c.moe_layer_ids) * c.num_experts
+    max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
+    kv_per_token = c.kv_elements_per_token * elem
+    info = {
+        "path": str(ckpt.dir),
+        "family": c.family.name,
+        "architecture": c.architecture,
+        "dtype": str(compute_dtype).removeprefix("torch."),
+        "checkpoint_dtype": c.torch_dtype,
+        "layers": c.num_layers,
+        "moe_layers": len(c.moe_layer_ids),
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "experts_per_block": c.num_experts,
+        "top_k": c.top_k,
+        "shared_expert": c.shared_expert_intermediate_size > 0,
+        "expert_bytes": expert_bytes,
+        "expert_bytes_total": expert_bytes * num_experts_total,
+        "non_expert_bytes": non_expert_params * elem,
+        "kv_bytes_per_token": kv_per_token,
+        "max_position_embeddings": c.max_position_embeddings,
+    }
+    if device_memory is not None:
+        budget = parse_size(device_memory, "--device-memory")
+        kv = kv_per_token * batch_size * max_len
+        free = budget - info["non_expert_bytes"] - kv
+        fit = max(0, int(free // expert_bytes))
+        per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
+        info["device_memory"] = budget
+        info["kv_reserved_bytes"] = kv
+        info["kv_reserved_for"] = f"{batch_size} sequences x {max_len} positions"
+        info["experts_fit"] = min(fit, num_experts_total)
+        info["experts_fit_per_block"] = per_block
+        info["policies_fit"] = _policies_that_fit(c, per_block, fit >= num_experts_total)
+    return info
+
+
+def _policies_that_fit(config, per_block: int, everything: bool) -> dict[str, str]:
+    try:
+        from .policies import POLICIES
+    except ImportError:  # pragma: no cover
+        return {}
+    verdicts = {}
+    for name, cls in POLICIES.items():
+        need = cls.min_experts_per_block(config) if hasattr(cls, "min_experts_per_block") else config.num_experts
+        ok = everything if name == "resident" else per_block >= need
+        verdicts[name] = "fits" if ok else f"needs {need} experts per block resident"
+    return verdicts
+
+
+def render_info(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    for key, value in info.items():
+        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory",):
+            value = f"{format_bytes(value)} ({value:,} B)"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        table.add_row(key, str(value))
+    Console().print(table)

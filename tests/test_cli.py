@@ -1,0 +1,34 @@
+"""The CLI on a tiny checkpoint: JSON output, prompt files, info."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args):
+    proc = subprocess.run([sys.executable, "-m", "specmoe.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_generate_json_prints_one_object_with_stats_and_outputs(tiny_ckpt, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10], [11, 12, 13, 14])))
+    out = json.loads(run("generate", "--model", tiny_ckpt("olmoe"), "--prompts-file", path, "--max-tokens", 6,
+                         "--ignore-eos", "--batch-size", 2, "--json"))
+    assert [len(o["token_ids"]) for o in out["outputs"]] == [6, 6, 6]
+    assert all(o["finish_reason"] == "length" for o in out["outputs"])
+    stats = out["stats"]
+    for key in ("policy", "batch_size", "gamma", "draft_experts", "prompt_tokens", "generated_tokens", "wall_s",
+                "decode_tokens_per_s", "ttft_s", "tbt_s", "steps", "tokens_per_step", "acceptance_rate",
+                "transfer_bytes", "transfer_bytes_per_token", "device_peak_bytes", "cache_hit_rate", "token_ids_sha256"):
+        assert key in stats, key
+    assert stats["generated_tokens"] == 18 and stats["prompt_tokens"] == 9 and stats["batch_size"] == 2
+
+
+def test_info_json_reports_bytes_and_fit(tiny_ckpt):
+    info = json.loads(run("info", "--model", tiny_ckpt("qwen2_moe"), "--device-memory", "1MiB", "--json"))
+    assert info["family"] == "qwen2_moe" and info["experts_per_block"] == 8 and info["moe_layers"] == 2
+    assert info["expert_bytes"] == 3 * 32 * 16 * 4
+    assert info["expert_bytes_total"] == 16 * info["expert_bytes"]
+    assert info["experts_fit"] >= 0 and "policies_fit" in info

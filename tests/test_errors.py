@@ -1,0 +1,129 @@
+"""Bad input: one line on stderr naming the problem and the fix, exit status 2, no traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from factories import corrupt_truncate, drop_tensor, reshape_tensor
+
+
+def specmoe(*args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "specmoe.cli", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_one_line_error(result, *fragments):
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment.lower() in lines[0].lower(), lines[0]
+
+
+@pytest.fixture
+def ckpt_copy(tiny_ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt("mixtral"), dst)
+    return dst
+
+
+IDS = ["--prompts-file"]
+
+
+@pytest.fixture
+def ids_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    return path
+
+
+def test_missing_directory(tmp_path, ids_file):
+    assert_one_line_error(specmoe("generate", "--model", tmp_path / "nope", "--prompts-file", ids_file), "does not exist", "--model")
+
+
+def test_missing_config(tmp_path, ids_file):
+    (tmp_path / "m").mkdir()
+    assert_one_line_error(specmoe("generate", "--model", tmp_path / "m", "--prompts-file", ids_file), "config.json")
+
+
+def test_unsupported_architecture(ckpt_copy, ids_file):
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(
+        specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file),
+        "LlamaForCausalLM", "not supported", "MixtralForCausalLM", "OlmoeForCausalLM",
+    )
+
+
+def test_truncated_safetensors(ckpt_copy, ids_file):
+    corrupt_truncate(ckpt_copy)
+    assert_one_line_error(specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "corrupt")
+
+
+def test_missing_tensor_is_named(ckpt_copy, ids_file):
+    drop_tensor(ckpt_copy, "layers.1.self_attn.k_proj.weight")
+    assert_one_line_error(
+        specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "model.layers.1.self_attn.k_proj.weight", "missing"
+    )
+
+
+def test_wrong_shape_is_named(ckpt_copy, ids_file):
+    reshape_tensor(ckpt_copy, "layers.0.self_attn.q_proj.weight")
+    assert_one_line_error(
+        specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "model.layers.0.self_attn.q_proj.weight", "shape"
+    )
+
+
+def test_empty_prompt(tiny_ckpt, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": []}) + "\n")
+    assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "empty prompt")
+
+
+@pytest.mark.parametrize(
+    "flag, value, fragment",
+    [
+        ("--max-tokens", "0", "max_tokens"),
+        ("--max-tokens", "-3", "max_tokens"),
+        ("--temperature", "-1", "temperature"),
+        ("--temperature", "nan", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--top-p", "1.5", "top_p"),
+        ("--policy", "fastest", "resident"),
+        ("--offload", "tape", "disk"),
+        ("--device", "tpu", "cpu"),
+        ("--max-tokens", "many", "invalid int"),
+    ],
+)
+def test_bad_option_values(tiny_ckpt, ids_file, flag, value, fragment):
+    assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, flag, value), fragment)
+
+
+def test_prompt_longer_than_context(tiny_ckpt, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5] * 300}) + "\n")  # context is 256
+    assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "300 tokens", "context")
+
+
+def test_token_id_outside_vocabulary(tiny_ckpt, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, 999]}) + "\n")
+    assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "999", "vocabulary")
+
+
+def test_bad_device_memory_size(tiny_ckpt, ids_file):
+    assert_one_line_error(
+        specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, "--device-memory", "lots"), "512MiB"
+    )
+
+
+def test_unknown_subcommand():
+    assert_one_line_error(specmoe("frobnicate"), "invalid choice")
