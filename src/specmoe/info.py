@@ -54,20 +54,18 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["kv_reserved_for"] = f"{batch_size} sequences x {max_len} positions"
         info["experts_fit"] = min(fit, num_experts_total)
         info["experts_fit_per_block"] = per_block
-        info["policies_fit"] = _policies_that_fit(c, per_block, fit >= num_experts_total)
+        info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
     return info
 
 
-def _policies_that_fit(config, per_block: int, everything: bool) -> dict[str, str]:
-    try:
-        from .policies import POLICIES
-    except ImportError:  # pragma: no cover
-        return {}
+def _policies_that_fit(config, slots: int, total: int) -> dict[str, str]:
+    from .config import EngineConfig
+    from .policies import POLICIES
+
     verdicts = {}
     for name, cls in POLICIES.items():
-        need = cls.min_experts_per_block(config) if hasattr(cls, "min_experts_per_block") else config.num_experts
-        ok = everything if name == "resident" else per_block >= need
-        verdicts[name] = "fits" if ok else f"needs {need} experts per block resident"
+        need = cls.min_slots(config, EngineConfig(offload="host" if name == "host" else "disk"))
+        verdicts[name] = "fits" if slots >= need else f"needs room for {need} experts"
     return verdicts
 
 

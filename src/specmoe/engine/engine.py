@@ -70,7 +70,7 @@ class Engine:
         )
         self.policy = make_policy(
             options.policy,
-            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options),
+            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights),
         )
         self.scheduler = Scheduler(options.max_batch_size)
         self.counters = RunCounters()

@@ -69,6 +69,7 @@ def summarize(
         "device_peak_bytes": device_peak_bytes,
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),
     }
+    stats["compute_s"] = counters.prefill_s + counters.decode_s - float(policy_stats.get("transfer_wait_s", 0.0))
     for key, value in policy_stats.items():
         stats.setdefault(key, value)
     stats.update(counters.extra)

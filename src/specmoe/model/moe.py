@@ -71,23 +71,17 @@ def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
     return ExpertGroups(experts, counts, tokens, weights)
 
 
-def dispatch(
-    x: torch.Tensor,
-    groups: ExpertGroups,
-    compute: Callable[[int, torch.Tensor], torch.Tensor],
-    order: list[int] | None = None,
-) -> torch.Tensor:
-    """sum over each token's experts of weight * expert(x); `compute(e, x_e)` runs expert e.
+def dispatch(x: torch.Tensor, groups: ExpertGroups, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's experts of weight * expert(x); `compute(e, x_e)` runs expert e."""
+    return combine(x, groups, [compute(e, x[t]) for e, t in zip(groups.experts, groups.tokens)])
 
-    Contributions are added in expert order whatever `order` the experts are computed in,
-    so the result does not depend on it (the reference adds in expert order too).
-    """
-    outputs: dict[int, torch.Tensor] = {}
-    for j in order if order is not None else range(len(groups.experts)):
-        outputs[j] = compute(groups.experts[j], x[groups.tokens[j]])
+
+def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) -> torch.Tensor:
+    """Weighted sum of the experts' outputs per token. Added in expert order, whatever
+    order the experts were computed in, as the reference adds them."""
     out = torch.zeros_like(x)
-    for j in range(len(groups.experts)):
-        out.index_add_(0, groups.tokens[j], (outputs[j] * groups.weights[j][:, None]).to(out.dtype))
+    for tokens, weights, y in zip(groups.tokens, groups.weights, outputs):
+        out.index_add_(0, tokens, (y * weights[:, None]).to(out.dtype))
     return out
 
 

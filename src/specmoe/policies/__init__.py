@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from ..errors import SpecMoEError
 from .base import Policy, Runtime
+from .caching import CachingPolicy
+from .host import HostPolicy
+from .ondemand import OnDemandPolicy
+from .overlap import OverlapPolicy
 from .resident import ResidentPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    ResidentPolicy.name: ResidentPolicy,
+    cls.name: cls for cls in (ResidentPolicy, OnDemandPolicy, OverlapPolicy, CachingPolicy, HostPolicy)
 }
 
 

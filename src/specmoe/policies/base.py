@@ -27,6 +27,7 @@ class Runtime:
     dtype: torch.dtype
     budget: DeviceBudget
     options: object  # the EngineConfig (policy-specific knobs live there)
+    weights: object = None  # the ModelWeights (routers and norms, for policies that predict routing)
 
     @property
     def expert_bytes(self) -> int:
@@ -40,6 +41,11 @@ class Runtime:
 class Policy:
     name = "base"
     speculative = False
+
+    @classmethod
+    def min_slots(cls, config, options) -> int:
+        """Device pool slots (experts) the policy needs to run at all."""
+        return len(config.moe_layer_ids) * config.num_experts
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime

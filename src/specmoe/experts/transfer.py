@@ -1,0 +1,98 @@
+"""Moving experts from the offload tier into the device pool, asynchronously.
+
+One background reader (a disk or a PCIe link serves one stream best) fills pool slots
+while the main thread computes. On CUDA the host-to-device copy runs on a side stream
+and an event orders it before the compute that uses the expert. A key is pinned from
+the moment its fetch is issued until `wait` hands it over, so its slot cannot be
+reused mid-copy. Every byte that enters the pool is counted here.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .pool import DevicePool, Key
+from .store import ExpertStore
+
+
+class TransferEngine:
+    def __init__(self, store: ExpertStore, pool: DevicePool, device: torch.device):
+        self.store, self.pool, self.device = store, pool, device
+        self.cuda = device.type == "cuda"
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specmoe-transfer")
+        self.inflight: dict[Key, Future] = {}
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging = None
+        if self.cuda and store.host_tensor(store.keys[0]) is None:  # disk -> pinned staging -> device
+            self.staging = torch.empty(store.numel, dtype=store.dtype).pin_memory()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.transfer_bytes = 0
+        self.fetches = 0
+        self.wait_s = 0.0
+        self.fetched: list[Key] = []  # in issue order, for traces and refresh accounting
+
+    def has(self, key: Key) -> bool:
+        """Resident or on its way."""
+        return key in self.pool.table or key in self.inflight
+
+    def fetch(self, key: Key) -> bool:
+        """Start bringing `key` into the pool; False when already there or no slot is free."""
+        table = self.pool.table
+        if self.has(key):
+            return False
+        if not table.can_place():
+            return False
+        slot, _ = table.place(key)
+        table.pin(key)
+        self.transfer_bytes += self.pool.expert_bytes
+        self.fetches += 1
+        self.fetched.append(key)
+        self.inflight[key] = self.executor.submit(self._load, key, self.pool.buffers[slot])
+        return True
+
+    def _load(self, key: Key, dest: torch.Tensor):
+        if not self.cuda:
+            self.store.read_into(key, dest)
+            return None
+        source = self.store.host_tensor(key)
+        if source is None:
+            self.store.read_into(key, self.staging)
+            source = self.staging
+        with torch.cuda.stream(self.stream):
+            dest.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        if source is self.staging:
+            event.synchronize()  # the staging buffer is reused by the next read
+        return event
+
+    def wait(self, key: Key) -> None:
+        """Block until `key` is usable by compute; release the fetch's pin."""
+        future = self.inflight.pop(key, None)
+        if future is None:
+            return
+        start = time.perf_counter()
+        event = future.result()
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.wait_s += time.perf_counter() - start
+        self.pool.table.unpin(key)
+
+    def ensure(self, key: Key) -> None:
+        if key not in self.pool.table and key not in self.inflight:
+            if not self.fetch(key):
+                raise RuntimeError(f"no pool slot for expert {key}: every slot is pinned")
+        self.wait(key)
+
+    def drain(self) -> None:
+        for key in list(self.inflight):
+            self.wait(key)
+
+    def close(self) -> None:
+        self.drain()
+        self.executor.shutdown(wait=True)

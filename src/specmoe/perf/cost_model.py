@@ -1,0 +1,327 @@
+"""Step-time model per policy: bytes moved, floating-point work and each policy's overlap
+rules. One engine step = what produces the next token(s) for all B sequences.
+
+Building blocks (M = MoE layers, U = distinct experts one layer needs in a pass):
+
+- compute of a pass: every operator is timed by its roofline, max(FLOPs / matmul rate,
+  bytes read from device memory / device bandwidth), plus a launch overhead per kernel.
+  Summing per operator (not over the whole pass) is what makes small batches memory
+  bound and large ones compute bound.
+- fetching n experts: n * (expert bytes / fetch bandwidth + per-transfer latency).
+- routing: U from :class:`~specmoe.perf.routing.RoutingModel` (skew, locality).
+
+``tokens_per_step`` is per sequence (1 without speculation), as in the engine's stats;
+``decode_tokens_per_s = batch * tokens_per_step / step_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .hardware import HardwareProfile
+from .routing import RoutingModel, acceptance_at, tokens_per_step
+from .shapes import ModelShape
+
+LAUNCHES_PER_EXPERT = 4  # gather, gate/up matmul, down matmul, scatter-add: one small loop per expert
+DEFAULT_CONTEXT = 512
+DEFAULT_CACHE_FRACTION = 0.1  # the paper's caching baseline: 10 % of each block's experts
+DEFAULT_PREDICTION_ACCURACY = 0.8  # overlap: fraction of a token's next-layer picks predicted right
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything fixed across batch sizes and policies."""
+
+    shape: ModelShape
+    hardware: HardwareProfile
+    routing: RoutingModel = field(default_factory=RoutingModel)
+    context_len: int = DEFAULT_CONTEXT  # mean cached positions per sequence during decode
+    device_memory: int | None = None  # byte budget on the device; None: the whole device
+    prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY
+
+    def __post_init__(self) -> None:
+        if self.context_len < 0:
+            raise ValueError("context_len must be >= 0")
+        if not 0.0 <= self.prediction_accuracy <= 1.0:
+            raise ValueError("prediction_accuracy must be in [0, 1]")
+
+    @property
+    def memory(self) -> int:
+        return self.device_memory or self.hardware.device_memory_bytes
+
+    def distinct(self, batch: int, per_sequence: int = 1, exclude_hottest: int = 0) -> float:
+        s = self.shape
+        return self.routing.expected_distinct(s.num_experts, s.top_k, batch, per_sequence, exclude_hottest)
+
+    def fetch_s(self, n_experts: float) -> float:
+        hw = self.hardware
+        return n_experts * (self.shape.expert_bytes / hw.fetch_bw + hw.transfer_latency_s)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    policy: str
+    batch_size: int
+    step_s: float
+    tokens_per_step: float  # per sequence
+    decode_tokens_per_s: float
+    transfer_bytes: float  # per step, into the device pool
+    transfer_bytes_per_token: float
+    compute_s: float
+    transfer_s: float  # time spent on transfers (hidden or not)
+    roofline_s: float  # best possible step time for these bytes and this work
+    device_bytes: float  # device memory needed
+    fits: bool
+    gamma: int | None = None
+    draft_experts: int | None = None
+    acceptance: float | None = None
+    cache_fraction: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Work:
+    """Compute of one pass: time (sum of per-operator rooflines + launches) and totals."""
+
+    time_s: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def add(self, hw: HardwareProfile, flops: float, nbytes: float, launches: float) -> None:
+        self.time_s += max(flops / hw.device_matmul_flops, nbytes / hw.device_mem_bw) + launches * hw.kernel_launch_s
+        self.flops += flops
+        self.bytes += nbytes
+
+    def bound_s(self, hw: HardwareProfile) -> float:
+        """Roofline of the whole pass: perfect fusion, no launch overhead."""
+        return max(self.flops / hw.device_matmul_flops, self.bytes / hw.device_mem_bw)
+
+
+def pass_work(sc: Scenario, batch: int, per_sequence: int, experts_touched: float, routed: bool = True) -> _Work:
+    """Device compute of one forward pass over batch x per_sequence positions.
+
+    experts_touched: distinct routed experts per MoE layer whose weights the pass reads
+    from device memory; routed=False leaves routed experts out (host policy)."""
+    s, hw = sc.shape, sc.hardware
+    P = batch * per_sequence
+    bpp = s.bytes_per_param
+    kv_layer = s.kv_bytes_per_token / s.num_layers
+    w = _Work()
+    for _ in range(s.num_layers):
+        # attention: projections + scores over the cache; each sequence reads its K/V once
+        # per pass (its positions share it) and writes K/V for its new positions.
+        flops = 2 * P * s.attention_params + 4 * P * s.num_heads * s.head_dim * (sc.context_len + per_sequence)
+        nbytes = s.attention_params * bpp + batch * sc.context_len * kv_layer + P * kv_layer
+        w.add(hw, flops, nbytes, 8)
+    for _ in range(s.num_dense_layers):
+        w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, 4)
+    for _ in range(s.num_moe_layers):
+        small = s.router_params + s.shared_expert_params  # router + shared expert: every position
+        w.add(hw, 2 * P * small, small * bpp, 4)
+        if routed:
+            w.add(hw, 2 * P * s.top_k * s.expert_params, experts_touched * s.expert_bytes,
+                  LAUNCHES_PER_EXPERT * experts_touched)
+    w.add(hw, 2 * P * s.hidden * s.vocab, s.hidden * s.vocab * bpp, 2)  # LM head on every position
+    return w
+
+
+def _device_bytes(sc: Scenario, batch: int, positions_per_seq: int, resident_experts: float,
+                  staging_experts: float) -> float:
+    """Non-expert weights + KV cache + resident experts + slots for fetched experts."""
+    s = sc.shape
+    kv = batch * (sc.context_len + positions_per_seq) * s.kv_bytes_per_token
+    return s.non_expert_bytes + kv + (resident_experts + staging_experts) * s.expert_bytes
+
+
+def _estimate(sc: Scenario, policy: str, batch: int, step_s: float, tokens: float, transfer_bytes: float,
+              compute_s: float, transfer_s: float, roofline_s: float, device_bytes: float, **extra) -> StepEstimate:
+    generated = batch * tokens
+    return StepEstimate(policy=policy, batch_size=batch, step_s=step_s, tokens_per_step=tokens,
+                        decode_tokens_per_s=generated / step_s, transfer_bytes=transfer_bytes,
+                        transfer_bytes_per_token=transfer_bytes / generated, compute_s=compute_s,
+                        transfer_s=transfer_s, roofline_s=roofline_s, device_bytes=device_bytes,
+                        fits=device_bytes <= sc.memory, **extra)
+
+
+def _roofline(sc: Scenario, transfer_bytes: float, *works: _Work) -> float:
+    """Best possible time: transfers fully hidden behind compute or vice versa."""
+    return max(transfer_bytes / sc.hardware.fetch_bw, sum(w.bound_s(sc.hardware) for w in works))
+
+
+# ---- policies ---------------------------------------------------------------------------------
+
+def resident(sc: Scenario, batch: int) -> StepEstimate:
+    """Every expert on the device: compute only (fits only when the model does)."""
+    s = sc.shape
+    u = sc.distinct(batch)
+    w = pass_work(sc, batch, 1, u)
+    return _estimate(sc, "resident", batch, w.time_s, 1.0, 0.0, w.time_s, 0.0, w.bound_s(sc.hardware),
+                     _device_bytes(sc, batch, 1, s.num_experts * s.num_moe_layers, 0))
+
+
+def ondemand(sc: Scenario, batch: int) -> StepEstimate:
+    """Fetch the union U of the layer's experts when the layer runs, then compute:
+    step = compute + M * fetch(U), nothing overlapped, nothing kept."""
+    s = sc.shape
+    u = sc.distinct(batch)
+    w = pass_work(sc, batch, 1, u)
+    xfer = s.num_moe_layers * sc.fetch_s(u)
+    nbytes = s.num_moe_layers * u * s.expert_bytes
+    return _estimate(sc, "ondemand", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer,
+                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0, u))
+
+
+def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str = "overlap") -> StepEstimate:
+    """Prefetch the next MoE layer's predicted experts while the current layer group computes.
+
+    Per MoE layer: max(G, fetch(U)) + fetch(missed), G = compute between two MoE layers.
+    Prediction: each pick is right with probability r (``accuracy``); an expert needed by
+    m picks is missed only if all m are mispredicted, so recall = 1 - (1 - r)^(B k / U).
+    The predicted set has about U experts, (1 - recall) U of them wrong: those bytes are
+    wasted, and the missed experts are fetched on demand after the prefetch."""
+    s = sc.shape
+    r = sc.prediction_accuracy if accuracy is None else accuracy
+    u = sc.distinct(batch)
+    w = pass_work(sc, batch, 1, u)
+    recall = 1.0 - (1.0 - r) ** (batch * s.top_k / max(u, 1e-9))
+    missed = (1.0 - recall) * u
+    group = w.time_s / s.num_moe_layers
+    step = s.num_moe_layers * (max(group, sc.fetch_s(u)) + sc.fetch_s(missed))
+    nbytes = s.num_moe_layers * (u + missed) * s.expert_bytes
+    return _estimate(sc, policy, batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(u + missed),
+                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0, 2 * u),  # double-buffered slots
+                     note=f"recall {recall:.2f}")
+
+
+def oracle_overlap(sc: Scenario, batch: int) -> StepEstimate:
+    """The paper's oracle Overlap: perfect prediction, per MoE layer max(G, fetch(U))."""
+    return overlap(sc, batch, accuracy=1.0, policy="oracle-overlap")
+
+
+def cached_per_layer(num_experts: int, fraction: float) -> int:
+    """Experts kept resident per block for a cache fraction (at least one when > 0)."""
+    if fraction <= 0:
+        return 0
+    return min(num_experts, max(1, round(fraction * num_experts)))
+
+
+def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION) -> StepEstimate:
+    """The hottest `fraction` of each block's experts stay resident; misses are fetched on
+    demand as in ondemand: step = compute + M * fetch(U without the cached ones)."""
+    s = sc.shape
+    c = cached_per_layer(s.num_experts, fraction)
+    u = sc.distinct(batch)
+    miss = sc.distinct(batch, 1, exclude_hottest=c)
+    w = pass_work(sc, batch, 1, u)
+    xfer = s.num_moe_layers * sc.fetch_s(miss)
+    nbytes = s.num_moe_layers * miss * s.expert_bytes
+    hit = 1.0 - miss / u if u else 1.0
+    return _estimate(sc, "caching", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer, _roofline(sc, nbytes, w),
+                     _device_bytes(sc, batch, 1, c * s.num_moe_layers, miss), cache_fraction=fraction,
+                     note=f"{c}/{s.num_experts} cached, hit {hit:.2f}")
+
+
+def host(sc: Scenario, batch: int) -> StepEstimate:
+    """Routed experts stay on the host; each is computed there or fetched, whichever is
+    cheaper for its token count (Fiddler's rule):
+
+      host(t)   = max(2 t params / host FLOP/s, expert bytes / host read bandwidth)
+      device(t) = fetch(1) + max(2 t params / device FLOP/s, expert bytes / device bandwidth)
+
+    t = expected positions routed to the expert given that it is needed. Activations go
+    to the host and back per MoE layer (tiny, but two latencies). Serial with the device's
+    non-expert compute."""
+    s, hw = sc.shape, sc.hardware
+    q = sc.routing.hotness(s.num_experts)
+    p_touch = sc.routing.touched(s.num_experts, s.top_k, batch, 1)
+    p_pos = 1.0 - (1.0 - q) ** s.top_k  # a position picks the expert (at least once)
+    t = batch * p_pos / np.maximum(p_touch, 1e-12)
+    flops = 2 * t * s.expert_params
+    on_host = np.maximum(flops / hw.host_matmul_flops, s.expert_bytes / hw.host_expert_read_bw) \
+        + LAUNCHES_PER_EXPERT * hw.kernel_launch_s
+    on_dev = sc.fetch_s(1) + np.maximum(flops / hw.device_matmul_flops, s.expert_bytes / hw.device_mem_bw) \
+        + LAUNCHES_PER_EXPERT * hw.kernel_launch_s
+    use_dev = on_dev < on_host
+    expert_s = float((p_touch * np.minimum(on_host, on_dev)).sum())
+    fetched = float((p_touch * use_dev).sum())
+    act_bytes = 2 * batch * s.hidden * s.bytes_per_param  # hidden states out, results back
+    act_s = 2 * hw.transfer_latency_s + act_bytes / hw.h2d_bw
+    w = pass_work(sc, batch, 1, 0, routed=False)
+    step = w.time_s + s.num_moe_layers * (expert_s + act_s)
+    nbytes = s.num_moe_layers * fetched * s.expert_bytes
+    host_bound = s.num_moe_layers * float((p_touch * np.maximum(
+        flops / hw.host_matmul_flops, s.expert_bytes / hw.host_expert_read_bw) * ~use_dev).sum())
+    roof = max(_roofline(sc, nbytes, w), host_bound)
+    return _estimate(sc, "host", batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(fetched), roof,
+                     _device_bytes(sc, batch, 1, 0, fetched / max(s.num_moe_layers, 1) + 1),
+                     note=f"{float((p_touch * ~use_dev).sum()):.1f}/layer on host, {fetched:.1f} fetched")
+
+
+def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance: float,
+            acceptance_draft_experts: int | None = None) -> StepEstimate:
+    """Self-assisted speculative decoding (DESIGN §2), one cycle:
+
+    - draft: gamma passes over B positions using only the N resident draft experts per
+      block: compute only, reading at most min(N, B k) experts per layer;
+    - verify: one pass over B (gamma + 1) positions (gamma + 1 consecutive per sequence,
+      so temporal locality applies), fetching the union minus the draft set (the N
+      hottest, resident) once for the pass, serial with compute as in ondemand;
+    - refresh: the new draft set was just fetched: free.
+
+    Tokens per step (per sequence) = (1 - a^(γ+1)) / (1 - a). `acceptance` is per token at
+    `acceptance_draft_experts` (default: N) draft experts; other N are scaled by
+    :func:`~specmoe.perf.routing.acceptance_at`."""
+    s = sc.shape
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    if not 1 <= draft_experts < s.num_experts:
+        raise ValueError(f"draft experts must be in 1..{s.num_experts - 1} for {s.name}, got {draft_experts}")
+    n_ref = acceptance_draft_experts or draft_experts
+    a = acceptance_at(acceptance, n_ref, draft_experts, s.num_experts, sc.routing)
+    tokens = tokens_per_step(a, gamma)
+    draft = pass_work(sc, batch, 1, min(draft_experts, batch * s.top_k))
+    L = gamma + 1
+    u = sc.distinct(batch, L)
+    fetch = sc.distinct(batch, L, exclude_hottest=draft_experts)
+    verify = pass_work(sc, batch, L, u)
+    xfer = s.num_moe_layers * sc.fetch_s(fetch)
+    compute = gamma * draft.time_s + verify.time_s
+    nbytes = s.num_moe_layers * fetch * s.expert_bytes
+    roof = max(nbytes / sc.hardware.fetch_bw, gamma * draft.bound_s(sc.hardware) + verify.bound_s(sc.hardware))
+    return _estimate(sc, "specmoe", batch, compute + xfer, tokens, nbytes, compute, xfer, roof,
+                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers, fetch),
+                     gamma=gamma, draft_experts=draft_experts, acceptance=a,
+                     note=f"γ={gamma} N={draft_experts} a={a:.2f}; draft {gamma * draft.time_s * 1e3:.3g} ms, "
+                          f"verify {verify.time_s * 1e3:.3g}+{xfer * 1e3:.3g} ms")
+
+
+POLICIES = {
+    "resident": resident,
+    "ondemand": ondemand,
+    "overlap": overlap,
+    "oracle-overlap": oracle_overlap,
+    "caching": caching,
+    "host": host,
+    "specmoe": specmoe,
+}
+
+
+def estimate(policy: str, sc: Scenario, batch: int, **params) -> StepEstimate:
+    """Dispatch by policy name; params go to the policy function (gamma, draft_experts,
+    acceptance for specmoe; fraction for caching)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    if batch < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch}")
+    return POLICIES[policy](sc, batch, **params)
+
+
+def roofline(policy: str, sc: Scenario, batch: int, **params) -> float:
+    """Best possible step time of `policy` at `batch`: max(transfer time of its bytes,
+    compute bound of its work), i.e. perfect overlap and no overheads."""
+    return estimate(policy, sc, batch, **params).roofline_s

@@ -1,0 +1,98 @@
+"""``--policy auto``: pick the policy and its parameters for a batch from the cost model.
+
+The engine calls :func:`plan` at start-up with its calibrated profile and the model's
+shape, and again whenever its running acceptance estimate moves, e.g.::
+
+    p = plan(shape, load_profile("local"), batch_size=16, acceptance=0.8,
+             acceptance_draft_experts=4, policies=("ondemand", "caching", "specmoe"))
+    p.policy, p.gamma, p.draft_experts, p.cache_fraction
+
+Speculation is simply one candidate: where it does not pay (small batches, low
+acceptance) another policy wins and speculation is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost_model import DEFAULT_CACHE_FRACTION, DEFAULT_CONTEXT, DEFAULT_PREDICTION_ACCURACY, Scenario, \
+    StepEstimate, estimate
+from .hardware import HardwareProfile
+from .routing import DEFAULT_ACCEPTANCE, DEFAULT_DRAFT_EXPERTS, RoutingModel
+from .shapes import ModelShape
+
+# Policies the engine implements (oracle-overlap is a bound, not a policy one can run).
+AUTO_POLICIES = ("resident", "ondemand", "overlap", "caching", "host", "specmoe")
+GAMMAS = tuple(range(1, 11))
+DRAFT_EXPERT_CHOICES = (2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Plan:
+    policy: str
+    gamma: int | None  # specmoe only
+    draft_experts: int | None  # specmoe only
+    cache_fraction: float | None  # caching only
+    estimate: StepEstimate
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.estimate.decode_tokens_per_s
+
+    def describe(self) -> str:
+        if self.policy == "specmoe":
+            return f"specmoe (gamma={self.gamma}, N={self.draft_experts})"
+        if self.policy == "caching":
+            return f"caching ({self.cache_fraction:.0%})"
+        return self.policy
+
+
+def draft_expert_choices(num_experts: int) -> list[int]:
+    """{2, 4, 8, 16}, keeping N < E (N = E would be the resident policy)."""
+    return [n for n in DRAFT_EXPERT_CHOICES if n < num_experts] or [1]
+
+
+def candidates(sc: Scenario, batch_size: int, acceptance: float, acceptance_draft_experts: int,
+               cache_fraction: float = DEFAULT_CACHE_FRACTION, policies=AUTO_POLICIES) -> list[Plan]:
+    """Every (policy, parameters) the planner considers, fitting in memory or not."""
+    out = []
+    for policy in policies:
+        if policy == "specmoe":
+            for n in draft_expert_choices(sc.shape.num_experts):
+                for g in GAMMAS:
+                    e = estimate("specmoe", sc, batch_size, gamma=g, draft_experts=n, acceptance=acceptance,
+                                 acceptance_draft_experts=acceptance_draft_experts)
+                    out.append(Plan("specmoe", g, n, None, e))
+        elif policy == "caching":
+            out.append(Plan("caching", None, None, cache_fraction,
+                            estimate("caching", sc, batch_size, fraction=cache_fraction)))
+        else:
+            out.append(Plan(policy, None, None, None, estimate(policy, sc, batch_size)))
+    return out
+
+
+def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptance: float | None = None, *,
+         acceptance_draft_experts: int = DEFAULT_DRAFT_EXPERTS, routing: RoutingModel | None = None,
+         context_len: int = DEFAULT_CONTEXT, cache_fraction: float = DEFAULT_CACHE_FRACTION,
+         device_memory: int | None = None, prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY,
+         policies=AUTO_POLICIES) -> Plan:
+    """The fastest fitting (policy, gamma, N) for this batch, by predicted decode tokens/s.
+
+    acceptance: per-token draft acceptance measured (or assumed) with
+    `acceptance_draft_experts` draft experts; None: DEFAULT_ACCEPTANCE.
+    Searches gamma in 1..10 and N in {2, 4, 8, 16} (N < E)."""
+    unknown = [p for p in policies if p not in AUTO_POLICIES]
+    if unknown:
+        raise ValueError(f"auto cannot choose policy {unknown[0]!r}: use some of {', '.join(AUTO_POLICIES)}")
+    sc = Scenario(shape, hardware, routing or RoutingModel(), context_len, device_memory, prediction_accuracy)
+    a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
+    fitting = [c for c in candidates(sc, batch_size, a, acceptance_draft_experts, cache_fraction, policies)
+               if c.estimate.fits]
+    if not fitting:
+        need = min(c.estimate.device_bytes for c in candidates(sc, batch_size, a, acceptance_draft_experts,
+                                                                 cache_fraction, policies))
+        raise ValueError(f"no policy fits {shape.name} at batch {batch_size} in {sc.memory / 2**30:.1f} GiB of "
+                         f"device memory: raise the device memory to at least {need / 2**30:.1f} GiB "
+                         f"or lower the batch size")
+    # max() keeps the first of equals: AUTO_POLICIES order prefers the simpler policy.
+    return max(fitting, key=lambda c: c.estimate.decode_tokens_per_s)

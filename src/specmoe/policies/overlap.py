@@ -1,0 +1,60 @@
+"""`overlap`: while layer l computes, prefetch layer l+1's experts, predicted by applying
+layer l+1's router to layer l's output hidden state; mispredictions are fetched on
+demand. Like `ondemand`, nothing is kept across steps."""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.layers import rms_norm
+from ..model.moe import Routing, route
+from .offload import OffloadPolicy
+
+
+class OverlapPolicy(OffloadPolicy):
+    name = "overlap"
+    keep_across_steps = False
+
+    @classmethod
+    def min_slots(cls, config, options) -> int:
+        return 2
+
+    def pool_slots_wanted(self) -> int:
+        return 2 * self.config.num_experts  # the running block and the predicted next one
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.predicted = 0
+        self.predicted_used = 0
+        self._prediction: dict[int, set[int]] = {}
+
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        nxt = self._next_moe_layer(layer)
+        if nxt is None:
+            return
+        lw = self.runtime.weights.layers[nxt]
+        guess = route(rms_norm(hidden, lw.mlp_norm, self.config.rms_norm_eps), lw.router, self.config.top_k, False)
+        experts = torch.unique(guess.ids).tolist()
+        self._prediction[nxt] = set(experts)
+        self.predicted += len(experts)
+        for e in experts:
+            self.transfer.fetch((nxt, e))
+
+    def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        out = super().run_moe(layer, x, routing)
+        predicted = self._prediction.pop(layer, set())
+        self.predicted_used += len(predicted & set(routing.ids.unique().tolist()))
+        # mispredicted prefetches: let them land, then drop them with the rest of the block
+        for key in [k for k in self.transfer.inflight if k[0] == layer]:
+            self.transfer.wait(key)
+        self.evict_layer(layer)
+        return out
+
+    def _next_moe_layer(self, layer: int) -> int | None:
+        later = [i for i in self.config.moe_layer_ids if i > layer]
+        return later[0] if later else None
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s["prefetch_precision"] = self.predicted_used / self.predicted if self.predicted else None
+        return s
