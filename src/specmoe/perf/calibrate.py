@@ -19,6 +19,7 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import SpecMoEError
@@ -195,6 +196,14 @@ def measure_cuda(torch) -> dict:
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
         out[f"h2d_{kind}_bw"] = n / _timed(copy)
+    tiny = torch.ones(1024, dtype=torch.float32).pin_memory()
+    tiny_dev = torch.empty_like(tiny, device=dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        tiny_dev.copy_(tiny, non_blocking=True)
+    torch.cuda.synchronize()
+    out["h2d_latency_s"] = (time.perf_counter() - t0) / 200  # per small copy: the fixed cost of a transfer
     out["gpu_matmul_flops_bf16"] = _matmul_flops(torch, torch.bfloat16, dev, 8192, torch.cuda.synchronize)
     big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     big2 = torch.empty_like(big)
@@ -231,7 +240,7 @@ def build_profile(name: str, m: dict, cuda: bool) -> HardwareProfile:
             description=f"{m['cuda_device']}, experts in host DRAM (measured)",
             device_matmul_flops=m["gpu_matmul_flops_bf16"], device_mem_bw=m["gpu_mem_bw"],
             device_memory_bytes=int(m["cuda_memory_bytes"]), h2d_bw=m["h2d_pinned_bw"], slow_tier="host",
-            slow_tier_read_bw=m["h2d_pinned_bw"], transfer_latency_s=max(m["gpu_launch_s"], 1e-6),
+            slow_tier_read_bw=m["h2d_pinned_bw"], transfer_latency_s=max(m["h2d_latency_s"], 1e-7),
             kernel_launch_s=max(m["gpu_launch_s"], 1e-7), h2d_pageable_bw=m["h2d_pageable_bw"], **common)
     return HardwareProfile(
         description=f"{platform.processor() or platform.machine()} CPU as the compute device, experts on disk "
@@ -240,6 +249,13 @@ def build_profile(name: str, m: dict, cuda: bool) -> HardwareProfile:
         h2d_bw=m["host_copy_bw"], slow_tier="disk", slow_tier_read_bw=m["disk_read_bw"],
         transfer_latency_s=max(m["disk_latency_s"], 1e-7), kernel_launch_s=max(m["host_op_overhead_s"], 1e-8),
         **common)
+
+
+def disk_variant(profile: HardwareProfile, m: dict) -> HardwareProfile:
+    """The same machine with experts on the measured disk (``--offload disk``)."""
+    return replace(profile, name=f"{profile.name}-disk", slow_tier="disk", slow_tier_read_bw=m["disk_read_bw"],
+                   transfer_latency_s=max(m["disk_latency_s"], 1e-7),
+                   description=profile.description.replace("experts in host DRAM", "experts on disk"))
 
 
 def calibrate(name: str, directory: Path, size: int) -> tuple[HardwareProfile, dict]:
@@ -263,6 +279,7 @@ def run_calibrate(args) -> int:
         directory = Path(args.dir) if args.dir else cache_dir() / "calibrate"
         profile, m = calibrate(args.name, directory, size)
         path = save_profile(profile, m)
+        extra = save_profile(disk_variant(profile, m), m) if profile.slow_tier == "host" else None
     except (ValueError, OSError) as e:
         print(f"specmoe calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -278,4 +295,6 @@ def run_calibrate(args) -> int:
                   f"{format_bytes(m['h2d_pageable_bw'])}/s, matmul bf16 {m['gpu_matmul_flops_bf16'] / 1e12:.0f} "
                   f"TFLOP/s, memory {format_bytes(m['gpu_mem_bw'])}/s")
         print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
+        if extra:
+            print(f"saved profile {profile.name}-disk (experts on this disk) to {extra}")
     return 0

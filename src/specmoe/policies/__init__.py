@@ -12,9 +12,10 @@ from .host import HostPolicy
 from .ondemand import OnDemandPolicy
 from .overlap import OverlapPolicy
 from .resident import ResidentPolicy
+from .specmoe import SpecMoEPolicy
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (ResidentPolicy, OnDemandPolicy, OverlapPolicy, CachingPolicy, HostPolicy)
+    cls.name: cls for cls in (ResidentPolicy, OnDemandPolicy, OverlapPolicy, CachingPolicy, HostPolicy, SpecMoEPolicy)
 }
 
 

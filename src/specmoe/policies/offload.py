@@ -54,6 +54,7 @@ class OffloadPolicy(Policy):
         self.uses = 0
         self.host_tokens = 0  # tokens whose expert ran on the host (host policy, host drafts)
         self.activation_bytes = 0
+        self.prefetch_queue: list[Key] = []
 
     def begin_pass(self, kind: str) -> None:
         self.kind = kind
@@ -76,9 +77,17 @@ class OffloadPolicy(Policy):
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         groups = group_by_expert(routing, self.config.num_experts)
         out = self.run_block(layer, x, groups)
+        self.finish_block(layer)
+        return out
+
+    def finish_block(self, layer: int) -> None:
+        """Release what the block no longer needs: prefetches that missed land and unpin;
+        queued prefetches for it are dropped; ondemand-style policies empty the block."""
+        for key in [k for k in self.transfer.inflight if k[0] == layer]:
+            self.transfer.wait(key)
+        self.prefetch_queue = [k for k in self.prefetch_queue if k[0] > layer]
         if not self.keep_across_steps:
             self.evict_layer(layer)
-        return out
 
     def run_block(self, layer: int, x: torch.Tensor, groups: ExpertGroups, on_host: set[int] = frozenset()) -> torch.Tensor:
         """Compute the block's experts; experts in `on_host` run on the host from the store."""
@@ -114,9 +123,19 @@ class OffloadPolicy(Policy):
         return y
 
     def _issue(self, keys: list[Key], queue: list[int]) -> None:
-        """Start fetches for queued experts while a slot is free or evictable."""
-        while queue and self.pool.table.can_place():
+        """Start fetches for the block's queued experts while a slot is free or evictable,
+        then for predicted experts of later blocks (`prefetch_queue`)."""
+        table = self.pool.table
+        while queue and table.can_place():
             self.transfer.fetch(keys[queue.pop(0)])
+        # Prefetches stay pinned until their block runs, so always leave one slot that
+        # could be evicted: the running block must be able to fetch what it lacks.
+        while self.prefetch_queue and self._spare_slots() >= 2:
+            self.transfer.fetch(self.prefetch_queue.pop(0))
+
+    def _spare_slots(self) -> int:
+        table = self.pool.table
+        return len(table.free) + sum(1 for k in table.lru if k not in table.pins)
 
     def _run_on_host(self, key: Key, xs: torch.Tensor) -> torch.Tensor:
         weights = self.store.host_tensor(key)

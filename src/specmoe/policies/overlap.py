@@ -41,14 +41,9 @@ class OverlapPolicy(OffloadPolicy):
             self.transfer.fetch((nxt, e))
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = super().run_moe(layer, x, routing)
         predicted = self._prediction.pop(layer, set())
         self.predicted_used += len(predicted & set(routing.ids.unique().tolist()))
-        # mispredicted prefetches: let them land, then drop them with the rest of the block
-        for key in [k for k in self.transfer.inflight if k[0] == layer]:
-            self.transfer.wait(key)
-        self.evict_layer(layer)
-        return out
+        return super().run_moe(layer, x, routing)
 
     def _next_moe_layer(self, layer: int) -> int | None:
         later = [i for i in self.config.moe_layer_ids if i > layer]

@@ -1,0 +1,1 @@
+"""How tokens are proposed and verified: draft sets, affinity substitution, acceptance."""

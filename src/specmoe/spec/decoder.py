@@ -1,0 +1,84 @@
+"""One speculative step for the whole running batch: draft, verify, accept, roll back.
+
+KV invariant (as in plain decoding): before and after a step, a sequence's cache holds
+its prompt and all its generated tokens but the last (`pending`). Drafting writes
+provisional K/V at positions L .. L+g-1 (L = cache length); verification rewrites
+L .. L+g with the full model's K/V; the cache is then cut to L + accepted + 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.sampling import target_probs
+from .verify import accept_greedy, accept_sampled
+
+
+class SpeculativeDecoder:
+    def __init__(self, engine):
+        self.engine = engine
+        self.policy = engine.policy
+        self.gamma = engine.options.gamma
+
+    def draft_lengths(self, seqs) -> list[int]:
+        """gamma, or fewer near max_tokens or the end of the context (never wasted)."""
+        limit = self.engine.max_model_len
+        return [max(0, min(self.gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
+
+    def step(self, seqs) -> int:
+        engine, cache, counters = self.engine, self.engine.cache, self.engine.counters
+        starts = [cache.lengths[s.slot] for s in seqs]
+        lengths = self.draft_lengths(seqs)
+
+        t0 = time.perf_counter()
+        drafts, draft_probs = self._draft(seqs, lengths)
+        for seq, start in zip(seqs, starts):
+            cache.truncate(seq.slot, start)  # verification rewrites these positions
+        t1 = time.perf_counter()
+
+        self.policy.begin_pass("verify")
+        fed = [[s.pending] + d for s, d in zip(seqs, drafts)]
+        logits = engine.forward_logits([s.slot for s in seqs], fed, rows="all")
+        self.policy.end_verify()
+        produced = 0
+        for seq, start, draft, q, rows in zip(seqs, starts, drafts, draft_probs, torch.split(logits, [len(f) for f in fed])):
+            if seq.params.greedy:
+                accepted, nxt = accept_greedy(draft, rows.argmax(-1).tolist())
+            else:
+                p = target_probs(rows, seq.params).cpu()
+                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, seq.generator)
+            cache.truncate(seq.slot, start + accepted + 1)
+            counters.drafted += len(draft)
+            counters.accepted += accepted
+            for token in draft[:accepted] + [nxt]:
+                produced += 1
+                if engine.append_token(seq, token):
+                    break
+        counters.draft_s += t1 - t0
+        counters.verify_s += time.perf_counter() - t1
+        return produced
+
+    def _draft(self, seqs, lengths):
+        """gamma autoregressive steps with the draft experts only."""
+        engine = self.engine
+        self.policy.begin_pass("draft")
+        drafts = [[] for _ in seqs]
+        probs = [[] for _ in seqs]
+        current = [s.pending for s in seqs]
+        for k in range(max(lengths, default=0)):
+            active = [i for i, g in enumerate(lengths) if g > k]
+            logits = engine.forward_logits([seqs[i].slot for i in active], [[current[i]] for i in active], rows="last")
+            for i, row in zip(active, logits):
+                seq = seqs[i]
+                if seq.params.greedy:
+                    token = int(row.argmax())
+                else:
+                    q = target_probs(row, seq.params).cpu()
+                    token = int(torch.multinomial(q, 1, generator=seq.generator))
+                    probs[i].append(q)
+                drafts[i].append(token)
+                current[i] = token
+        self.policy.end_draft()
+        return drafts, probs

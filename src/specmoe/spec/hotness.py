@@ -1,0 +1,33 @@
+"""Choosing the draft experts: temporal hotness (the paper's default), global hotness,
+or random. Plain counting; the policy decides when to refresh."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+class HotnessCounter:
+    """Selections per expert per block, accumulated over a window (a verify pass)."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
+
+    def add(self, layer: int, ids: torch.Tensor) -> None:
+        self.counts[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.counts.shape[1])
+
+    def hottest(self, layer: int, n: int, tie_break: list[int] | None = None) -> list[int]:
+        """The n most selected experts of `layer`; ties go to `tie_break`'s order (the
+        current draft set first, so that a refresh moves as little as possible)."""
+        counts = self.counts[layer].tolist()
+        preferred = {e: i for i, e in enumerate(tie_break or [])}
+        order = sorted(range(len(counts)), key=lambda e: (-counts[e], preferred.get(e, len(counts)), e))
+        return sorted(order[:n])
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
+def random_draft_set(num_experts: int, n: int, rng: random.Random) -> list[int]:
+    return sorted(rng.sample(range(num_experts), n))

@@ -1,0 +1,50 @@
+"""Shared fixtures. tests/ goes on sys.path so tests can ``from factories import ...``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """Factory fixture: ``tiny_ckpt(family, layout="per_expert", shards=1, seed=0, **overrides)``.
+
+    Builds a tiny random Hugging Face checkpoint with transformers (see factories.py) once
+    per session and argument set, and returns its directory. Treat it as read-only: tests
+    that damage a checkpoint copy it first (``damaged_ckpt``) or build their own.
+    """
+    pytest.importorskip("transformers")
+    from factories import make_checkpoint
+
+    cache: dict = {}
+
+    def get(family: str, layout: str = "per_expert", shards: int = 1, seed: int = 0, **overrides):
+        key = (family, layout, shards, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            # mktemp numbers the folders, so variants with overrides do not collide.
+            out = tmp_path_factory.mktemp(f"{family}-{layout}-s{shards}")
+            cache[key] = make_checkpoint(family, out, layout=layout, shards=shards, seed=seed, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def damaged_ckpt(tiny_ckpt, tmp_path):
+    """Factory fixture: a private copy of a single-file tiny checkpoint, safe to damage."""
+    import shutil
+
+    def get(family: str = "mixtral", layout: str = "per_expert", **overrides):
+        src = tiny_ckpt(family, layout=layout, shards=1, **overrides)
+        dst = tmp_path / f"{family}-{layout}-damaged"
+        shutil.copytree(src, dst)
+        return dst
+
+    return get

@@ -1,0 +1,358 @@
+"""Tiny random Hugging Face MoE checkpoints, built with transformers' own classes.
+
+The checkpoints are the reference for specmoe's loader and model: transformers writes
+them (``save_pretrained``) exactly as it writes real ones, and transformers' forward pass
+and ``generate`` give the numbers specmoe must reproduce. Sizes are tiny (vocab 128,
+hidden 32, 2-3 layers, 8 experts, top-2) so a checkpoint builds in well under a second.
+
+Each family exercises what distinguishes it:
+
+- mixtral    explicit ``head_dim`` (16) != hidden / heads (8); softmax -> top-k -> renormalise.
+- qwen2_moe  q/k/v bias, shared expert with its sigmoid gate, a dense MLP layer
+             (``mlp_only_layers=[1]``), top-k weights not renormalised.
+- qwen3_moe  per-head q/k RMSNorm, explicit ``head_dim`` (16), ``norm_topk_prob=True``,
+             a dense MLP layer (``mlp_only_layers=[2]``).
+- olmoe      q/k RMSNorm over the whole projection, ``norm_topk_prob=False``.
+
+Weights are drawn with a large std (0.15; embeddings 1; norm weights 1 +- 0.1) so that logits and
+router scores are far from 0 and routing is not degenerate. Special ids: pad 0, bos 1,
+eos 2; prompts from :func:`random_prompts` avoid them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+LAYOUTS = ("per_expert", "fused")
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+SPECIAL_IDS = (PAD_ID, BOS_ID, EOS_ID)
+VOCAB = 128
+INIT_STD = 0.15
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
+
+# Per family: transformers config / model class names and the config fields.
+# Intermediate sizes differ per role (expert 16/24, shared 24, dense 40) so that a
+# tensor's shape alone says which role it has.
+_FAMILY_SPECS = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,  # != hidden_size / heads = 8
+            intermediate_size=24,  # per expert
+            num_local_experts=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=40,  # dense MLP layers
+            moe_intermediate_size=16,  # per expert
+            shared_expert_intermediate_size=24,
+            num_experts=8,
+            norm_topk_prob=False,
+            qkv_bias=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,  # != hidden_size / heads = 8, as in the real Qwen3-MoE
+            intermediate_size=40,  # dense MLP layers
+            moe_intermediate_size=16,  # per expert
+            num_experts=8,
+            norm_topk_prob=True,
+            attention_bias=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[2],
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        ),
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            # OLMoE's q_norm spans hidden_size, so head_dim must be hidden / heads.
+            num_hidden_layers=2,
+            intermediate_size=24,  # per expert
+            num_experts=8,
+            norm_topk_prob=False,
+            attention_bias=False,
+            clip_qkv=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+        ),
+    ),
+}
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+def build_config(family: str, **overrides):
+    """The transformers config of the tiny model of ``family`` (``overrides`` win)."""
+    if family not in _FAMILY_SPECS:
+        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    config_name, _, fields = _FAMILY_SPECS[family]
+    kwargs = {**_COMMON, **fields, **overrides}
+    return getattr(_transformers(), config_name)(**kwargs)
+
+
+@torch.no_grad()
+def build_model(family: str, *, seed: int = 0, std: float = INIT_STD, **overrides):
+    """A tiny random float32 model of ``family`` in eval mode, weights drawn from ``seed``."""
+    _, model_name, _ = _FAMILY_SPECS[family]
+    config = build_config(family, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(_transformers(), model_name)(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights: around 1, not 0
+            param.copy_(1.0 + 0.1 * noise)
+        elif "embed_tokens" in name:  # token identity must dominate the residual stream,
+            param.copy_(noise)  # else all positions route alike
+        else:  # linear weights, biases, embeddings, routers, experts
+            param.copy_(std * noise)
+    model.generation_config = _transformers().GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    return model
+
+
+def make_checkpoint(
+    family: str,
+    out_dir,
+    *,
+    layout: str = "per_expert",
+    shards: int = 1,
+    seed: int = 0,
+    **overrides,
+) -> Path:
+    """Write a tiny random checkpoint of ``family`` to ``out_dir`` and return the path.
+
+    layout="per_expert": the original Hub tensor names (one tensor per expert and
+    projection, e.g. ``block_sparse_moe.experts.3.w1.weight``, ``mlp.experts.3.gate_proj.weight``).
+    layout="fused": transformers 5's in-memory names, ``mlp.experts.gate_up_proj``
+    [E, 2I, H] (gate rows first, then up) and ``mlp.experts.down_proj`` [E, H, I].
+    shards > 1: several ``model-0000N-of-0000M.safetensors`` plus ``model.safetensors.index.json``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(family, seed=seed, **overrides)
+    save_kwargs = dict(safe_serialization=True, save_original_format=(layout == "per_expert"))
+    if shards == 1:
+        model.save_pretrained(out, **save_kwargs)
+        files = sorted(out.glob("*.safetensors"))
+        assert [f.name for f in files] == ["model.safetensors"], files
+    else:
+        # transformers packs tensors greedily up to max_shard_size, so total/shards may
+        # give one file more than asked; grow the size until the count is exact.
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        for step in range(40):
+            for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+                stale.unlink()
+            size = int(total / shards * (1.0 + 0.025 * step))
+            model.save_pretrained(out, max_shard_size=size, **save_kwargs)
+            files = sorted(out.glob("model-*-of-*.safetensors"))
+            if len(files) == shards:
+                break
+        assert len(files) == shards, f"could not write {shards} shards, got {[f.name for f in files]}"
+        assert (out / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
+    return out
+
+
+def _cached_model(path):
+    """The loaded model of ``path``, reused while the directory's files are unchanged."""
+    path = Path(path).resolve()
+    stamp = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir()))
+    return _load_cached(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str, stamp: tuple):
+    return _load(path)
+
+
+def _load(path):
+    """transformers' float32 model of a checkpoint directory, eval mode, eager attention."""
+    tr = _transformers()
+    model = tr.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' float32 logits [len_i, vocab] of each prompt, each run on its own."""
+    model = _cached_model(path)
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out.append(model(input_ids=ids).logits[0].float())
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(path, prompt: list[int], n: int) -> list[int]:
+    """Exactly ``n`` greedy new tokens of transformers' ``generate``; eos does not stop it.
+
+    Semantic: token t+1 = argmax of the logits after prompt + tokens[:t], for t < n, eos
+    included as an ordinary token (what ``SamplingParams(ignore_eos=True)`` means).
+    ``min_new_tokens`` is deliberately NOT used: it masks eos out of the logits, which
+    would change the argmax. Instead the model's eos is unset so nothing stops early.
+    """
+    model = _cached_model(path)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt], dtype=torch.long)
+    seq = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=PAD_ID,
+    )
+    new = seq[0, len(prompt) :].tolist()
+    assert len(new) == n, f"generate returned {len(new)} tokens, expected {n}"
+    return new
+
+
+@torch.no_grad()
+def hf_greedy_reference(path, prompt: list[int], n: int) -> list[int]:
+    """The same as :func:`hf_greedy` by recomputing the full forward each step (no KV cache)."""
+    model = _cached_model(path)
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([seq], dtype=torch.long)).logits[0, -1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt) :]
+
+
+def random_prompts(n: int, vocab: int = VOCAB, min_len: int = 3, max_len: int = 24, seed: int = 0):
+    """``n`` prompts of pairwise different lengths in [min_len, max_len], no special ids."""
+    if max_len - min_len + 1 < n:
+        raise ValueError(f"need {n} distinct lengths, range [{min_len}, {max_len}] is too small")
+    rng = random.Random(seed)
+    lengths = rng.sample(range(min_len, max_len + 1), n)
+    low = max(SPECIAL_IDS) + 1
+    return [[rng.randrange(low, vocab) for _ in range(length)] for length in lengths]
+
+
+# --- bad inputs ---------------------------------------------------------------------
+
+def _single_file(path) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if len(files) != 1:
+            raise ValueError(f"{path} holds {len(files)} safetensors files, expected a single-file checkpoint")
+        return files[0]
+    return path
+
+
+def _rewrite(path, change) -> str:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = _single_file(path)
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    changed = change(tensors)
+    save_file(tensors, str(file), metadata=metadata)
+    return changed
+
+
+def _find(tensors: dict, name_substring: str) -> str:
+    matches = sorted(k for k in tensors if name_substring in k)
+    if not matches:
+        raise KeyError(f"no tensor name contains {name_substring!r}")
+    return matches[0]
+
+
+def corrupt_truncate(path, keep_fraction: float = 0.5) -> Path:
+    """Cut the (single) safetensors file of ``path`` to ``keep_fraction`` of its bytes."""
+    file = _single_file(path)
+    size = file.stat().st_size
+    with open(file, "r+b") as f:
+        f.truncate(int(size * keep_fraction))
+    return file
+
+
+def drop_tensor(path, name_substring: str) -> str:
+    """Remove the first tensor (sorted by name) whose name contains ``name_substring``; return its name."""
+
+    def change(tensors):
+        name = _find(tensors, name_substring)
+        del tensors[name]
+        return name
+
+    return _rewrite(path, change)
+
+
+def reshape_tensor(path, name_substring: str) -> str:
+    """Give the first matching tensor a wrong shape (one row more on dim 0); return its name."""
+
+    def change(tensors):
+        name = _find(tensors, name_substring)
+        t = tensors[name]
+        tensors[name] = torch.cat([t, t[:1]], dim=0).contiguous()
+        return name
+
+    return _rewrite(path, change)
+
+
+def tensor_shapes(path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a checkpoint directory (all shards)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    return shapes
+
+
+def read_config(path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
