@@ -23,11 +23,13 @@ from ..experts.store import default_cache_dir
 from ..model.moe import Routing, combine, group_by_expert, run_expert
 from ..spec.affinity import load_affinity, substitution_map
 from ..spec.hotness import HotnessCounter, random_draft_set
+from ..spec.quant import QUANT_MODES, expert_nbytes, quantize_all
 from .offload import OffloadPolicy
 
 DRAFT_SETS = ("temporal-hot", "global-hot", "random")
 SUBSTITUTIONS = ("affinity", "random")
 DRAFT_COMPUTE = ("device", "host")
+DRAFT_QUANT = QUANT_MODES  # none: the paper's draft; else quantized copies of every expert
 WORKING_SLOTS = 2  # slots beyond the draft sets, for streaming verification's fetches
 
 
@@ -51,20 +53,54 @@ class SpecMoEPolicy(OffloadPolicy):
                                      ("draft_compute", opts.draft_compute, DRAFT_COMPUTE)):
             if value not in allowed:
                 raise SpecMoEError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+        if opts.draft_quant not in DRAFT_QUANT:
+            raise SpecMoEError(f"unknown draft_quant {opts.draft_quant!r}; choose one of: {', '.join(DRAFT_QUANT)}")
         if opts.draft_compute == "host" and opts.offload != "host":
             raise SpecMoEError("draft_compute host computes draft experts where they live and needs --offload host")
+        quant = opts.draft_quant != "none"
+        if quant and opts.draft_compute == "host":
+            raise SpecMoEError(f"--draft-quant {opts.draft_quant} already gives the draft every expert on the device; "
+                               "drop --draft-compute host or use --draft-quant none")
+        c = runtime.config
+        cache = Path(opts.offload_dir) if opts.offload_dir else default_cache_dir()
+        self.quantized = None
+        self.quantized_bytes = 0
+        if quant:
+            # Reserved before the pool is sized, so the pool gets what is left: the
+            # quantized copies of all experts, plus one expert dequantized at a time.
+            self.quantized_bytes = len(runtime.expert_keys) * expert_nbytes(c.hidden_size, c.expert_intermediate_size,
+                                                                             opts.draft_quant)
+            runtime.budget.reserve(
+                "quantized draft experts", self.quantized_bytes,
+                hint=f" ({opts.draft_quant} copies of all {len(runtime.expert_keys)} experts; a lower-bit "
+                     "--draft-quant needs less)",
+            )
+            runtime.budget.reserve("quantized draft scratch", runtime.expert_bytes)
+            # The draft needs no full-precision expert in the pool: only the working slots
+            # (and explicit --draft-experts). TODO(lead): move into min_slots, then drop this.
+            self.min_slots = lambda config, options: (
+                WORKING_SLOTS + (options.draft_experts or 0) * len(config.moe_layer_ids))
         super().__init__(runtime)
-        c = self.config
         if opts.draft_experts and opts.draft_experts > c.num_experts:
             raise SpecMoEError(f"--draft-experts {opts.draft_experts} exceeds the {c.num_experts} experts per block")
-        self.draft_experts = opts.draft_experts or self.default_draft_experts(c, self.pool.num_slots)
+        if quant:
+            self.quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, opts.draft_quant, runtime.dtype,
+                                          cache, runtime.device)
+            if self.quantized.nbytes != self.quantized_bytes:
+                raise RuntimeError(f"internal: quantized copies hold {self.quantized.nbytes} bytes, "
+                                   f"{self.quantized_bytes} were reserved")
+            # full-precision draft experts where the budget allows: possibly none
+            fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.moe_layer_ids)
+            default = max(0, min(c.num_experts // 4, fits))
+        else:
+            default = self.default_draft_experts(c, self.pool.num_slots)
+        self.draft_experts = opts.draft_experts or default
         self.gamma = opts.gamma
         self.rng = random.Random(0)
         self.draft: dict[int, list[int]] = {}
         self.substitute: dict[int, torch.Tensor] = {}
         self.affinity = None
-        if opts.substitution == "affinity" and opts.draft_compute == "device":
-            cache = Path(opts.offload_dir) if opts.offload_dir else default_cache_dir()
+        if opts.substitution == "affinity" and opts.draft_compute == "device" and not quant:
             self.affinity = load_affinity(runtime.checkpoint, cache)
         self.hotness = HotnessCounter(c.num_layers, c.num_experts)
 
@@ -81,6 +117,9 @@ class SpecMoEPolicy(OffloadPolicy):
             draft_set=self.runtime.options.draft_set,
             substitution=self.runtime.options.substitution,
             draft_compute=self.runtime.options.draft_compute,
+            draft_quant=self.runtime.options.draft_quant,
+            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.expert_bytes,
+            draft_quantized_bytes=self.quantized_bytes,
             refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
             draft_transfer_bytes=self.draft_fetches_seen * self.pool.expert_bytes,
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
@@ -91,10 +130,10 @@ class SpecMoEPolicy(OffloadPolicy):
     # --- passes --------------------------------------------------------------------------
 
     def begin_pass(self, kind: str) -> None:
+        if kind == "draft" and not self.draft:
+            self.refresh()  # the first draft set, from the prefill's routing: before drafting starts
         super().begin_pass(kind)
         if kind == "draft":
-            if not self.draft:
-                self.refresh()  # first draft: choose from the prefill's routing
             self.predicted = {}
             self._fetches_before_draft = self.transfer.fetches
         elif kind == "verify":
@@ -137,6 +176,17 @@ class SpecMoEPolicy(OffloadPolicy):
             groups = group_by_expert(routing, self.config.num_experts)
             on_host = set(groups.experts) - set(self.draft[layer])
             return self.run_block(layer, x, groups, on_host=on_host)
+        if self.quantized is not None:
+            # every expert has a copy on the device: the draft routes exactly, through the
+            # full-precision draft expert where one is resident, else the quantized copy
+            groups = group_by_expert(routing, self.config.num_experts)
+            resident = set(self.draft[layer])
+            outputs = [
+                run_expert(self.pool.slot_tensor((layer, e)), x[t], self.hidden, self.inter) if e in resident
+                else self.quantized.forward(layer, e, x[t])
+                for e, t in zip(groups.experts, groups.tokens)
+            ]
+            return combine(x, groups, outputs)
         groups = group_by_expert(routing.with_ids(self.substitute[layer][routing.ids]), self.config.num_experts)
         outputs = [
             run_expert(self.pool.slot_tensor((layer, e)), x[t], self.hidden, self.inter)
@@ -165,7 +215,8 @@ class SpecMoEPolicy(OffloadPolicy):
                     self.refresh_fetches += 1
                 self.transfer.ensure((layer, e))
                 table.pin((layer, e))
-            self.substitute[layer] = self._substitution(layer, experts)
+            if self.quantized is None:  # with quantized copies nothing is substituted (and N may be 0)
+                self.substitute[layer] = self._substitution(layer, experts)
         self.draft = new
 
     def _substitution(self, layer: int, experts: list[int]) -> torch.Tensor:
