@@ -75,6 +75,11 @@ class Engine:
         self.scheduler = Scheduler(options.max_batch_size)
         self.counters = RunCounters()
         self._next_id = 0
+        self.tracer = None
+        if options.trace:
+            from .tracing import StepTracer
+
+            self.tracer = StepTracer(options.trace, self)
         self._decoder = None
         if self.policy.speculative:
             from ..spec.decoder import SpeculativeDecoder
@@ -172,7 +177,12 @@ class Engine:
         starts = [self.cache.lengths[slot] for slot in slots]
         batch = self.model.step_batch(slots, starts, [len(t) for t in token_lists])
         tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=self.device)
-        hidden = self.model.forward(tokens, batch, self.cache, experts or self.policy)
+        backend = experts or self.policy
+        if self.tracer:
+            backend = self.tracer.begin(self.policy)
+        hidden = self.model.forward(tokens, batch, self.cache, backend)
+        if self.tracer:
+            self.tracer.end(self.policy, len(slots), batch.num_tokens)
         if rows == "last":
             hidden = hidden[batch.last_token_rows()]
         return self.model.logits(hidden)
@@ -218,4 +228,6 @@ class Engine:
         return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.budget.by_item.items())
 
     def close(self) -> None:
+        if self.tracer:
+            self.tracer.close()
         self.policy.close()

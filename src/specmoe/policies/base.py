@@ -59,8 +59,11 @@ class Policy:
         pass
 
     # --- lifecycle ---------------------------------------------------------------------
+    kind = "prefill"
+
     def begin_pass(self, kind: str) -> None:
         """kind: 'prefill' | 'decode' | 'draft' | 'verify'."""
+        self.kind = kind
 
     def reset_stats(self) -> None:
         pass

@@ -56,9 +56,6 @@ class OffloadPolicy(Policy):
         self.activation_bytes = 0
         self.prefetch_queue: list[Key] = []
 
-    def begin_pass(self, kind: str) -> None:
-        self.kind = kind
-
     def stats(self) -> dict:
         return {
             "transfer_bytes": self.transfer.transfer_bytes,

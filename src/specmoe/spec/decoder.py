@@ -43,6 +43,7 @@ class SpeculativeDecoder:
         logits = engine.forward_logits([s.slot for s in seqs], fed, rows="all")
         self.policy.end_verify()
         produced = 0
+        accepted_lengths = []
         for seq, start, draft, q, rows in zip(seqs, starts, drafts, draft_probs, torch.split(logits, [len(f) for f in fed])):
             if seq.params.greedy:
                 accepted, nxt = accept_greedy(draft, rows.argmax(-1).tolist())
@@ -52,10 +53,13 @@ class SpeculativeDecoder:
             cache.truncate(seq.slot, start + accepted + 1)
             counters.drafted += len(draft)
             counters.accepted += accepted
+            accepted_lengths.append(accepted)
             for token in draft[:accepted] + [nxt]:
                 produced += 1
                 if engine.append_token(seq, token):
                     break
+        if engine.tracer:
+            engine.tracer.flush(accepted_lengths)
         counters.draft_s += t1 - t0
         counters.verify_s += time.perf_counter() - t1
         return produced
