@@ -48,3 +48,17 @@ def damaged_ckpt(tiny_ckpt, tmp_path):
         return dst
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Expert files, affinity tables and calibrated profiles go to a per-run directory."""
+    import os
+
+    old = os.environ.get("SPECMOE_CACHE_DIR")
+    os.environ["SPECMOE_CACHE_DIR"] = str(tmp_path_factory.mktemp("specmoe-cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECMOE_CACHE_DIR", None)
+    else:
+        os.environ["SPECMOE_CACHE_DIR"] = old

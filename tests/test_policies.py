@@ -119,3 +119,15 @@ def test_disk_file_is_reused_while_the_checkpoint_is_unchanged(setup, tmp_path):
     before = blob.stat().st_mtime_ns
     LLM(**kw).close()
     assert blob.stat().st_mtime_ns == before
+
+
+def test_auto_chooses_a_policy_and_keeps_the_output(setup, tmp_path):
+    path, prompts, ref_stats, budget = setup
+    llm = LLM(model=str(path), device="cpu", policy="auto", offload="disk", offload_dir=str(tmp_path),
+              device_memory=budget, max_batch_size=8, max_model_len=64)
+    llm.generate(prompts, PARAMS)
+    stats = llm.last_stats
+    assert stats["policy"] == "auto" and stats["auto_choice"] in ("ondemand", "overlap", "caching", "specmoe")
+    assert stats["token_ids_sha256"] == ref_stats["token_ids_sha256"]
+    assert stats["device_peak_bytes"] <= budget
+    llm.close()

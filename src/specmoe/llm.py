@@ -78,10 +78,10 @@ class LLM:
         opts = self.options
         self.last_stats = summarize(
             policy=opts.policy, batch_size=min(opts.max_batch_size, len(seqs)),
-            gamma=opts.gamma if engine.policy.speculative else None,
+            gamma=engine.policy.gamma if engine.policy.speculative else None,
             draft_experts=getattr(engine.policy, "draft_experts", None),
             seqs=seqs, counters=engine.counters, wall_s=time.perf_counter() - start,
-            policy_stats=engine.policy.stats(), device_peak_bytes=engine.budget.peak,
+            policy_stats=engine.policy.run_stats(), device_peak_bytes=engine.budget.peak,
         )
         return [RequestOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason) for s in seqs]
 

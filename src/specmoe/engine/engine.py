@@ -70,7 +70,7 @@ class Engine:
         )
         self.policy = make_policy(
             options.policy,
-            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights),
+            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights, self.max_model_len),
         )
         self.scheduler = Scheduler(options.max_batch_size)
         self.counters = RunCounters()

@@ -176,10 +176,9 @@ def _open_direct(path: Path) -> tuple[int, bool]:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("SPECMOE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specmoe"
-    )
-    return Path(root) / "offload"
+    from ..cache import cache_dir
+
+    return cache_dir() / "offload"
 
 
 def open_store(ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, device: torch.device, tier: str,

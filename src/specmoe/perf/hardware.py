@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from ..cache import cache_dir  # re-exported: the perf modules import it from here
 
 _BUILTIN_FILE = Path(__file__).with_name("hardware.json")
 SLOW_TIERS = ("host", "disk")
@@ -76,8 +77,6 @@ class HardwareProfile:
         return asdict(self)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECMOE_CACHE_DIR") or Path.home() / ".cache" / "specmoe")
 
 
 def profiles_dir() -> Path:

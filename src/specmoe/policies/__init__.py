@@ -20,8 +20,17 @@ POLICIES: dict[str, type[Policy]] = {
 
 
 def make_policy(name: str, runtime: Runtime) -> Policy:
+    if name == "auto":
+        from dataclasses import replace
+
+        from .auto import choose
+
+        chosen, options, plan = choose(runtime)
+        policy = POLICIES[chosen](replace(runtime, options=options))
+        policy.auto_plan = plan.describe()
+        return policy
     if name not in POLICIES:
-        raise SpecMoEError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+        raise SpecMoEError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, auto")
     return POLICIES[name](runtime)
 
 

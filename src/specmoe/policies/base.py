@@ -28,6 +28,7 @@ class Runtime:
     budget: DeviceBudget
     options: object  # the EngineConfig (policy-specific knobs live there)
     weights: object = None  # the ModelWeights (routers and norms, for policies that predict routing)
+    max_model_len: int = 2048  # KV positions reserved per sequence
 
     @property
     def expert_bytes(self) -> int:
@@ -68,9 +69,17 @@ class Policy:
     def reset_stats(self) -> None:
         pass
 
+    auto_plan: str | None = None  # set when `auto` chose this policy
+
     def stats(self) -> dict:
         """Policy counters merged into the run statistics."""
         return {"transfer_bytes": 0, "cache_hit_rate": 1.0}
+
+    def run_stats(self) -> dict:
+        stats = self.stats()
+        if self.auto_plan:
+            stats.update(auto_choice=self.name, auto_plan=self.auto_plan)
+        return stats
 
     def close(self) -> None:
         pass

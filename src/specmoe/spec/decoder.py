@@ -20,12 +20,13 @@ class SpeculativeDecoder:
     def __init__(self, engine):
         self.engine = engine
         self.policy = engine.policy
-        self.gamma = engine.options.gamma
+        # under --policy auto, gamma follows the measured acceptance and step times
+        self.tuner = GammaTuner(self.policy.gamma) if engine.options.policy == "auto" else None
 
     def draft_lengths(self, seqs) -> list[int]:
         """gamma, or fewer near max_tokens or the end of the context (never wasted)."""
         limit = self.engine.max_model_len
-        return [max(0, min(self.gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
+        return [max(0, min(self.policy.gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
 
     def step(self, seqs) -> int:
         engine, cache, counters = self.engine, self.engine.cache, self.engine.counters
@@ -60,8 +61,13 @@ class SpeculativeDecoder:
                     break
         if engine.tracer:
             engine.tracer.flush(accepted_lengths)
+        t2 = time.perf_counter()
         counters.draft_s += t1 - t0
-        counters.verify_s += time.perf_counter() - t1
+        counters.verify_s += t2 - t1
+        if self.tuner and max(lengths, default=0):
+            self.policy.gamma = self.tuner.update(
+                sum(accepted_lengths), sum(lengths), (t1 - t0) / max(lengths), t2 - t1
+            )
         return produced
 
     def _draft(self, seqs, lengths):
@@ -86,3 +92,31 @@ class SpeculativeDecoder:
                 current[i] = token
         self.policy.end_draft()
         return drafts, probs
+
+
+class GammaTuner:
+    """Picks gamma to maximise expected tokens per second of a speculative step.
+
+    With per-token acceptance a, a step of gamma drafts yields (1 - a^(gamma+1)) / (1 - a)
+    tokens and costs gamma * t_draft + t_verify (verification is transfer-bound, so its
+    time hardly grows with gamma). Estimates are exponential moving averages.
+    """
+
+    def __init__(self, gamma: int, max_gamma: int = 10, smoothing: float = 0.3):
+        self.gamma, self.max_gamma, self.smoothing = gamma, max_gamma, smoothing
+        self.acceptance = self.t_draft = self.t_verify = None
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def update(self, accepted: int, drafted: int, t_draft: float, t_verify: float) -> int:
+        self.acceptance = self._ema(self.acceptance, accepted / drafted)
+        self.t_draft = self._ema(self.t_draft, t_draft)
+        self.t_verify = self._ema(self.t_verify, t_verify)
+        a = min(self.acceptance, 0.99)
+
+        def rate(g):
+            return (1 - a ** (g + 1)) / (1 - a) / (g * self.t_draft + self.t_verify)
+
+        self.gamma = max(range(1, self.max_gamma + 1), key=rate)
+        return self.gamma

@@ -1,0 +1,77 @@
+"""`auto`: the cost model picks the policy and its parameters (gamma, N, cache share) for
+this model, this machine and this batch; speculation is simply one candidate, off where
+it does not pay (the paper notes that plain caching is slightly faster at batch 1).
+
+The machine's profile comes from `specmoe calibrate` (name `local`, measured once and
+saved on first use when missing); the tier's read rate is capped by `offload_bandwidth`
+when that emulation is on. While decoding, the speculative decoder adapts gamma to the
+measured acceptance (see spec/decoder.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from ..errors import SpecMoEError
+
+LOCAL_PROFILE = "local"
+
+
+def machine_profile(tier: str, bandwidth: float | None):
+    from ..perf.calibrate import calibrate, disk_variant
+    from ..perf.hardware import cache_dir, load_profile, save_profile
+
+    name = LOCAL_PROFILE + ("-disk" if tier == "disk" else "")
+    try:
+        profile = load_profile(name)
+    except ValueError:
+        print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
+        profile, m = calibrate(LOCAL_PROFILE, cache_dir() / "calibrate", 64 << 20)
+        save_profile(profile, m)
+        if profile.slow_tier == "host":
+            save_profile(disk_variant(profile, m), m)
+        profile = load_profile(name) if tier == "disk" and profile.slow_tier == "host" else profile
+    if bandwidth:
+        profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))
+    return profile
+
+
+def choose(runtime):
+    """(policy name, EngineConfig for it, the plan) for this runtime's model and budget."""
+    from ..perf.planner import plan
+    from ..perf.shapes import shape_from_config
+
+    opts = runtime.options
+    shape = shape_from_config(runtime.checkpoint.dir)
+    shape = replace(shape, bytes_per_param=runtime.expert_bytes // runtime.config.expert_params)
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth)
+    candidates = ("ondemand", "overlap", "caching", "specmoe") + (("host",) if opts.offload == "host" else ())
+    memory = runtime.budget.available() if runtime.budget.limit is not None else None
+    try:
+        chosen = plan(shape, hardware, opts.max_batch_size, device_memory=_plan_memory(runtime, memory),
+                      context_len=runtime.max_model_len, policies=candidates)
+    except ValueError as exc:
+        raise SpecMoEError(f"policy auto: {exc}") from None
+    overrides = {"policy": chosen.policy}
+    if chosen.policy == "specmoe":
+        overrides.update(gamma=chosen.gamma, draft_experts=_fit_draft_experts(runtime, chosen.draft_experts))
+    if chosen.policy == "caching" and chosen.cache_fraction:
+        overrides.update(cache_fraction=chosen.cache_fraction)
+    return chosen.policy, replace(opts, **overrides), chosen
+
+
+def _plan_memory(runtime, available):
+    """The planner budgets whole-model bytes: give it what the engine's ledger would allow."""
+    if available is None:
+        return None
+    return int(available + runtime.budget.used)
+
+
+def _fit_draft_experts(runtime, wanted: int) -> int:
+    from ..experts.pool import slots_for_budget
+    from .specmoe import WORKING_SLOTS
+
+    c = runtime.config
+    slots = slots_for_budget(runtime.budget, runtime.expert_bytes, len(runtime.expert_keys))
+    return max(1, min(wanted, (slots - WORKING_SLOTS) // len(c.moe_layer_ids)))
