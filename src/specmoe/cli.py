@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", default="disk", help="where offloaded experts live: disk | host (default disk)")
     p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: a cache dir)")
     p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
-    p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 2GiB")
+    p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 2GiB; "
+                   "or 30%%: non-expert weights + KV cache + 30%% of all expert bytes")
     p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
     p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (specmoe)")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")

@@ -247,7 +247,9 @@ class EngineConfig:
     dtype: str = "auto"
     policy: str = "resident"
     offload: str = "disk"
-    device_memory: int | None = None  # bytes for weights, KV cache and expert pool; None: no limit
+    # bytes for weights, KV cache and expert pool; "30%": those weights and KV cache plus
+    # 30 % of all expert bytes; None: no limit
+    device_memory: int | str | None = None
     offload_bandwidth: float | None = None  # bytes/s cap on the slow tier (an emulation)
     offload_dir: str | None = None  # where the disk tier keeps its expert file
     max_batch_size: int = 32
@@ -265,7 +267,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, COMPUTE_DTYPES)
         _choice("offload", self.offload, OFFLOAD_TIERS)
-        if self.device_memory is not None:
+        if self.device_memory is not None and expert_share(self.device_memory) is None:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory, "device_memory"))
         if self.offload_bandwidth is not None:
             object.__setattr__(self, "offload_bandwidth", parse_rate(self.offload_bandwidth))
@@ -287,6 +289,19 @@ class EngineConfig:
             if key not in known:
                 raise SpecMoEError(f"unknown engine option {key!r}; known options: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def expert_share(device_memory) -> float | None:
+    """'30%' -> 0.3 (a budget relative to the model's expert bytes); None for absolute sizes."""
+    if isinstance(device_memory, str) and device_memory.strip().endswith("%"):
+        try:
+            share = float(device_memory.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 <= share <= 1:
+            raise SpecMoEError(f"device_memory {device_memory!r}: a share of the expert bytes must be 0%..100%")
+        return share
+    return None
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:

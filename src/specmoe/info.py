@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import Checkpoint
-from .config import format_bytes, parse_size
+from .config import expert_share, format_bytes, parse_size
 
 
 def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto") -> dict:
@@ -44,8 +44,12 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "max_position_embeddings": c.max_position_embeddings,
     }
     if device_memory is not None:
-        budget = parse_size(device_memory, "--device-memory")
         kv = kv_per_token * batch_size * max_len
+        share = expert_share(device_memory)
+        if share is None:
+            budget = parse_size(device_memory, "--device-memory")
+        else:
+            budget = int(info["non_expert_bytes"] + kv + share * info["expert_bytes_total"])
         free = budget - info["non_expert_bytes"] - kv
         fit = max(0, int(free // expert_bytes))
         per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))

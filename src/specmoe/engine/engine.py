@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpoint
-from ..config import EngineConfig, format_bytes
+from ..config import EngineConfig, expert_share, format_bytes
 from ..errors import SpecMoEError
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
@@ -55,14 +55,14 @@ class Engine:
         self.max_model_len = min(
             options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
         )
-        self.budget = DeviceBudget(options.device_memory)
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype)
+        kv_bytes = self._kv_bytes_per_token() * options.max_batch_size * self.max_model_len
+        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes))
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
         self.cache = self.model.new_cache(options.max_batch_size)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
-        kv_bytes = self.cache.bytes_per_token() * options.max_batch_size * self.max_model_len
         self.budget.reserve(
             "KV cache", kv_bytes,
             hint=f" ({options.max_batch_size} sequences x {self.max_model_len} positions; "
@@ -85,6 +85,17 @@ class Engine:
             from ..spec.decoder import SpeculativeDecoder
 
             self._decoder = SpeculativeDecoder(self)
+
+    def _kv_bytes_per_token(self) -> int:
+        return self.config.kv_elements_per_token * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _budget_bytes(self, device_memory, non_expert: int, kv: int) -> int | None:
+        """Absolute budgets pass through; '30%' is non-expert weights + KV cache + 30 % of experts."""
+        share = expert_share(device_memory)
+        if share is None:
+            return device_memory
+        experts = self.config.expert_params * len(self.config.moe_layer_ids) * self.config.num_experts
+        return int(non_expert + kv + share * experts * torch.tensor([], dtype=self.dtype).element_size())
 
     # --- requests ----------------------------------------------------------------------
 
