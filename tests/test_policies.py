@@ -53,7 +53,7 @@ def test_transfer_bytes_equal_the_experts_fetched(setup, tmp_path):
     policy = llm.engine.policy
     fetched = []
     original = policy.transfer._load
-    policy.transfer._load = lambda key, dest: (fetched.append(key), original(key, dest))[1]
+    policy.transfer._load = lambda key, dest, after=None: (fetched.append(key), original(key, dest, after))[1]
     llm.generate(prompts, PARAMS)
     c = llm.config
     expert_bytes = 3 * c.hidden_size * c.expert_intermediate_size * 4

@@ -44,11 +44,16 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error  # Hugging Face templates call it
         template = env.from_string(self.chat_template)
         return template.render(
             messages=messages, add_generation_prompt=True,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
+
+
+def _raise_template_error(message: str):
+    raise SpecMoEError(f"chat template: {message}")
 
 
 def _token_text(value) -> str | None:

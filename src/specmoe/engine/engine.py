@@ -66,7 +66,7 @@ class Engine:
         self.budget.reserve(
             "KV cache", kv_bytes,
             hint=f" ({options.max_batch_size} sequences x {self.max_model_len} positions; "
-            "lower --batch-size or --max-model-len to need less)",
+            "lower --batch-size (serve: --max-batch-size) or --max-model-len to need less)",
         )
         self.policy = make_policy(
             options.policy,

@@ -52,10 +52,16 @@ class TransferEngine:
         self.transfer_bytes += self.pool.expert_bytes
         self.fetches += 1
         self.fetched.append(key)
-        self.inflight[key] = self.executor.submit(self._load, key, self.pool.buffers[slot])
+        # On CUDA the slot may have just been freed by an expert whose kernels are still
+        # queued on the compute stream: the copy must wait for them.
+        after = None
+        if self.cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        self.inflight[key] = self.executor.submit(self._load, key, self.pool.buffers[slot], after)
         return True
 
-    def _load(self, key: Key, dest: torch.Tensor):
+    def _load(self, key: Key, dest: torch.Tensor, after=None):
         if not self.cuda:
             self.store.read_into(key, dest)
             return None
@@ -64,6 +70,7 @@ class TransferEngine:
             self.store.read_into(key, self.staging)
             source = self.staging
         with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
             dest.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)

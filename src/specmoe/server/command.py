@@ -1,0 +1,92 @@
+"""`specmoe serve`: load the model, bind the socket, run uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import SpecMoEError
+
+DEMO_MODEL_NAME = "specmoe-demo"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def register(subparsers) -> None:
+    from ..cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching, streaming)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+        "Concurrent requests are decoded together in the same steps.",
+    )
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="sequences decoded together (default 32)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECMOE_API_KEY if set)")
+    p.add_argument("--served-model-name", help="model name clients use (default: the model directory's name)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=run_serve)
+
+
+def model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).resolve().name if args.model else DEMO_MODEL_NAME
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or a one-line error that says what to change."""
+    if not 0 <= port <= 65535:
+        raise SpecMoEError(f"--port {port} is not a TCP port (0..65535)")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise SpecMoEError(f"--host {host!r} is not an address of this machine ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise SpecMoEError(f"cannot listen on {host}:{port} ({exc.strerror}): pick another --port") from None
+    sock.listen(2048)
+    return sock
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ModuleNotFoundError as exc:
+        raise SpecMoEError(f"specmoe serve needs {exc.name}: pip install 'specmoe[serve]'") from None
+    from ..cli import engine_options
+    from ..llm import LLM
+
+    if args.max_batch_size < 1:
+        raise SpecMoEError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    api_key = args.api_key or os.environ.get("SPECMOE_API_KEY") or None
+    sock = bind(args.host, args.port)  # before loading the model: a busy port fails fast
+    llm = LLM(model=args.model, **engine_options(args, max_batch_size=args.max_batch_size))
+    name = model_name(args)
+    app = create_app(llm.engine, name, api_key=api_key)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"specmoe: serving {name} at http://{url_host}:{port}/v1 (policy {args.policy}, "
+          f"batch up to {args.max_batch_size}, context {llm.engine.max_model_len}"
+          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    if args.host not in LOOPBACK and not api_key:
+        print(f"specmoe: warning: listening on {args.host} without --api-key: anyone who can reach this port "
+              "can use the model", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+        llm.close()
+    return 0
+

@@ -1,0 +1,248 @@
+"""The engine loop: the one thread that owns the engine.
+
+HTTP handlers run on the asyncio event loop; the engine runs here. Handlers hand over a
+`RequestHandle` (tokenized prompt + SamplingParams) through a thread-safe queue and read
+`Delta`s from the handle's asyncio queue. Between two engine steps this thread takes
+every new request and every cancellation, so requests join and leave the running batch
+between steps, and every running sequence takes part in the same step (continuous
+batching). After each step each sequence's new tokens and text go to its handle via
+`call_soon_threadsafe`, the only way another thread may touch an event loop's objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SpecMoEError
+from .detok import IncrementalText
+from .protocol import APIError
+
+log = logging.getLogger("specmoe.server")
+
+RATE_WINDOW_S = 10  # tokens/s is measured over the last this many seconds
+
+
+@dataclass
+class Delta:
+    """What one step added to one request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    error: APIError | None = None
+
+
+class RequestHandle:
+    """One request as both sides see it. The engine thread writes `seq` and `text`;
+    the event loop only reads `queue`."""
+
+    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.aloop = aloop
+        self.seq = None
+        self.text: IncrementalText | None = None
+        self.tokens_sent = 0
+
+    def push(self, delta: Delta) -> None:
+        deliver({self.aloop: [(self, delta)]})
+
+
+def deliver(batches: dict) -> None:
+    """Hand deltas to their handles' queues: one wake-up of each event loop per step."""
+    for aloop, items in batches.items():
+        try:
+            aloop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
+
+
+def _put_all(items) -> None:
+    for handle, delta in items:
+        handle.queue.put_nowait(delta)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state for /metrics, written whole by the engine thread (no locks needed)."""
+
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    seq_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    transfer_bytes: int = 0
+    tokens_by_second: tuple[tuple[int, int], ...] = ()  # (unix second, tokens generated in it)
+
+
+class ServerStats:
+    """Counters of the loop; ints written by the engine thread, read by /metrics."""
+
+    def __init__(self):
+        self.requests = 0
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.snapshot = Snapshot()
+        self._buckets: dict[int, int] = {}
+
+    def count_tokens(self, n: int) -> None:
+        self.generated_tokens += n
+        second = int(time.time())
+        self._buckets[second] = self._buckets.get(second, 0) + n
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """Tokens generated in the last RATE_WINDOW_S full seconds, per second."""
+        now = int(now if now is not None else time.time())
+        recent = sum(n for s, n in self.snapshot.tokens_by_second if now - RATE_WINDOW_S <= s < now)
+        return recent / RATE_WINDOW_S
+
+    def refresh(self, engine) -> None:
+        horizon = int(time.time()) - RATE_WINDOW_S - 1
+        self._buckets = {s: n for s, n in self._buckets.items() if s >= horizon}
+        counters = engine.counters
+        policy = engine.policy.stats()
+        self.snapshot = Snapshot(
+            running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
+            steps=counters.steps, seq_steps=counters.seq_steps, drafted=counters.drafted,
+            accepted=counters.accepted, transfer_bytes=int(policy.get("transfer_bytes", 0)),
+            tokens_by_second=tuple(sorted(self._buckets.items())),
+        )
+
+
+class EngineLoop:
+    def __init__(self, engine, max_pending: int = 4096):
+        self.engine = engine
+        self.max_pending = max_pending
+        self.stats = ServerStats()
+        self.error: BaseException | None = None  # why the thread died, if it did
+        self._commands: queue.Queue = queue.Queue()
+        self._active: dict[int, RequestHandle] = {}  # engine request id -> handle
+        self._thread = threading.Thread(target=self._run, name="specmoe-engine", daemon=True)
+
+    # --- called from the event loop ----------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, handle: RequestHandle) -> None:
+        if not self.alive:
+            raise APIError(503, "the engine is not running; see the server log", code="engine_dead")
+        pending = self._commands.qsize() + self.stats.snapshot.waiting
+        if pending >= self.max_pending:
+            raise APIError(503, f"the server has {pending} requests waiting; retry later", code="overloaded")
+        self._commands.put(("add", handle))
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client went away: drop its sequence at the next step boundary."""
+        self._commands.put(("abort", handle))
+
+    # --- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            # inference mode is per thread: the engine's forward passes run in this one
+            with torch.inference_mode():
+                while self._take_commands(block=not self.engine.scheduler.has_work):
+                    if self.engine.scheduler.has_work:
+                        self._step()
+        except BaseException as exc:  # keep the reason for /health and the log
+            self.error = exc
+            log.exception("the engine loop stopped")
+            self._fail_all("the engine loop stopped: " + str(exc))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one first when idle. False: stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, handle = command
+            if kind == "stop":
+                self._fail_all("the server is shutting down")
+                self._refuse_queued("the server is shutting down")
+                return False
+            if kind == "add":
+                self._add(handle)
+            elif kind == "abort" and handle.seq is not None and handle.seq.request_id in self._active:
+                self.engine.abort(handle.seq.request_id)
+                del self._active[handle.seq.request_id]
+                self.stats.finished["abort"] += 1
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, handle: RequestHandle) -> None:
+        try:
+            seq = self.engine.add_request(handle.prompt_ids, handle.params)
+        except SpecMoEError as exc:  # checked by the handler already; a safety net
+            handle.push(Delta(error=APIError(400, str(exc))))
+            return
+        handle.seq = seq
+        handle.text = IncrementalText(self.engine.tokenizer, handle.params.stop)
+        self._active[seq.request_id] = handle
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(seq.prompt_ids)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:
+            # The state of the sequences in this step is unknown: fail them, keep serving.
+            log.exception("an engine step failed; failing the %d requests in it", len(self._active))
+            self._fail_all(f"the engine failed while generating: {exc}")
+        batches: dict = {}
+        for rid, handle in list(self._active.items()):
+            seq = handle.seq
+            new_ids = seq.output_ids[handle.tokens_sent:]
+            if not new_ids and not seq.finished:
+                continue
+            handle.tokens_sent = len(seq.output_ids)
+            final = seq.text if seq.finished else None
+            text = handle.text.update(seq.output_ids, final_text=final)
+            delta = Delta(text, new_ids, seq.finish_reason if seq.finished else None)
+            batches.setdefault(handle.aloop, []).append((handle, delta))
+            self.stats.count_tokens(len(new_ids))
+            if seq.finished:
+                self.stats.finished[seq.finish_reason] = self.stats.finished.get(seq.finish_reason, 0) + 1
+                del self._active[rid]
+        deliver(batches)
+        self.stats.refresh(self.engine)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, handle in list(self._active.items()):
+            handle.push(Delta(error=APIError(500, message, code="engine_error")))
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - already failing; the requests are answered
+                pass
+            self.stats.finished["error"] += 1
+        self._active.clear()
+
+    def _refuse_queued(self, message: str) -> None:
+        while True:
+            try:
+                kind, handle = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                handle.push(Delta(error=APIError(503, message, code="shutting_down")))

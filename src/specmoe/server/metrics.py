@@ -1,0 +1,56 @@
+"""/metrics in the Prometheus text exposition format (version 0.0.4)."""
+
+from __future__ import annotations
+
+from .loop import RATE_WINDOW_S, ServerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render(stats: ServerStats, http_errors: dict[int, int], model: str) -> str:
+    snap = stats.snapshot
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in {"model": model, **labels}.items())
+            lines.append(f"{name}{{{label_text}}} {_number(value)}")
+
+    metric("specmoe_requests_total", "counter", "Requests admitted to the engine.", [({}, stats.requests)])
+    metric("specmoe_requests_finished_total", "counter", "Requests that left the engine, by finish reason "
+           "(abort: the client went away).", [({"finish_reason": r}, n) for r, n in sorted(stats.finished.items())])
+    metric("specmoe_http_errors_total", "counter", "Error responses, by HTTP status.",
+           [({"status": str(s)}, n) for s, n in sorted(http_errors.items())])
+    metric("specmoe_prompt_tokens_total", "counter", "Prompt tokens admitted.", [({}, stats.prompt_tokens)])
+    metric("specmoe_generation_tokens_total", "counter", "Tokens generated.", [({}, stats.generated_tokens)])
+    metric("specmoe_generation_tokens_per_second", "gauge",
+           f"Tokens generated per second over the last {RATE_WINDOW_S} s.", [({}, stats.tokens_per_s())])
+    metric("specmoe_running_requests", "gauge", "Sequences in the running batch after the last step.",
+           [({}, snap.running)])
+    metric("specmoe_waiting_requests", "gauge", "Requests waiting for a batch slot.", [({}, snap.waiting)])
+    metric("specmoe_decode_steps_total", "counter", "Decode steps (a speculative step is draft + verify).",
+           [({}, snap.steps)])
+    metric("specmoe_decode_sequence_steps_total", "counter", "Sum over decode steps of the sequences in them "
+           "(divided by specmoe_decode_steps_total: the mean batch size).", [({}, snap.seq_steps)])
+    metric("specmoe_transfer_bytes_total", "counter", "Expert bytes moved into the device pool.",
+           [({}, snap.transfer_bytes)])
+    metric("specmoe_draft_tokens_total", "counter", "Draft tokens proposed.", [({}, snap.drafted)])
+    metric("specmoe_accepted_draft_tokens_total", "counter", "Draft tokens accepted by verification.",
+           [({}, snap.accepted)])
+    metric("specmoe_acceptance_rate", "gauge", "Accepted / proposed draft tokens since start (NaN: none drafted).",
+           [({}, snap.accepted / snap.drafted if snap.drafted else float("nan"))])
+    return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "NaN"
+        return repr(value)
+    return str(value)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

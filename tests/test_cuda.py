@@ -1,0 +1,147 @@
+"""The CUDA path: pinned host experts, copies on the transfer engine's side stream, every
+policy's greedy output equal to resident's on the GPU, a draft that moves nothing, and the
+replay at a (scaled) Mixtral shape. Skipped without CUDA; run by scripts/gpu_check.sh."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from factories import random_prompts
+from specmoe import LLM, SamplingParams
+from specmoe.checkpoint import Checkpoint
+from specmoe.experts.budget import DeviceBudget
+from specmoe.experts.pool import DevicePool
+from specmoe.experts.store import HostStore, open_store
+from specmoe.experts.transfer import TransferEngine
+from specmoe.perf.trace import read_trace
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+POLICIES = ["ondemand", "overlap", "caching", "host", "specmoe"]
+
+
+@pytest.fixture(autouse=True)
+def _caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def expert_keys(ckpt):
+    return [(layer, e) for layer in ckpt.config.moe_layer_ids for e in range(ckpt.config.num_experts)]
+
+
+def test_host_store_is_pinned_on_cuda(tiny_ckpt):
+    ckpt = Checkpoint(tiny_ckpt("mixtral"))
+    keys = expert_keys(ckpt)
+    store = open_store(ckpt, keys, torch.float32, CUDA, "host")
+    assert store.pinned and store.buffers.is_pinned()
+    assert torch.equal(store.host_tensor(keys[3]), ckpt.expert_buffer(*keys[3], torch.float32))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_side_stream_copies_bring_the_right_bytes(tiny_ckpt, tmp_path, tier):
+    ckpt = Checkpoint(tiny_ckpt("mixtral"))
+    keys = expert_keys(ckpt)
+    store = open_store(ckpt, keys, torch.float32, CUDA, tier, str(tmp_path))
+    pool = DevicePool(4, store.numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    engine = TransferEngine(store, pool, CUDA)
+    assert engine.stream is not None and engine.stream != torch.cuda.current_stream(CUDA)
+    for key in keys[:7]:  # more experts than slots: later ones land in evicted slots
+        engine.ensure(key)
+        assert torch.equal(pool.slot_tensor(key).cpu(), ckpt.expert_buffer(*key, torch.float32)), key
+    assert engine.transfer_bytes == 7 * store.nbytes
+    engine.close()
+    store.close()
+
+
+class _ConstantExperts:
+    """A checkpoint stand-in whose expert e is filled with the value e + 1."""
+
+    def __init__(self, numel):
+        self.config = SimpleNamespace(expert_params=numel)
+
+    def expert_buffer(self, layer, expert, dtype):
+        return torch.full((self.config.expert_params,), float(expert + 1), dtype=dtype)
+
+
+def test_a_refetch_into_a_slot_waits_for_the_compute_still_reading_it():
+    # The engine unpins an expert as soon as its kernels are *launched*; the slot may then
+    # be refilled by the side stream while those kernels are still queued on the compute
+    # stream. The copy must be ordered after them, or the compute reads the next expert.
+    numel = 1 << 20
+    store = HostStore(_ConstantExperts(numel), [(0, 0), (0, 1)], torch.float32, pin=True)
+    pool = DevicePool(1, numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    engine = TransferEngine(store, pool, CUDA)
+    engine.ensure((0, 0))
+    slot = pool.get((0, 0))
+    torch.cuda._sleep(100_000_000)  # keep the compute stream busy (~50 ms) before the read below
+    total = slot.sum()  # queued: reads expert 0 (all ones) once the sleep ends
+    engine.ensure((0, 1))  # the single slot is reused for expert 1 (all twos)
+    assert total.item() == float(numel), "the side-stream copy overwrote a slot that queued compute still reads"
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_ckpt):
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(8, 128, 3, 10, seed=7)
+    ref = LLM(model=str(path), device="cuda", max_batch_size=8, max_model_len=64)
+    ref.generate(prompts, GREEDY)
+    e = ref.engine
+    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
+    budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * 8 * 64 + 0.5 * experts)
+    sha = ref.last_stats["token_ids_sha256"]
+    ref.close()
+    return path, prompts, sha, budget
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_output_on_cuda_equals_resident(cuda_reference, tmp_path, policy):
+    path, prompts, sha, budget = cuda_reference
+    llm = LLM(model=str(path), device="cuda", policy=policy, offload="host", offload_dir=str(tmp_path),
+              device_memory=budget, max_batch_size=8, max_model_len=64)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["device_peak_bytes"] <= budget
+    if policy != "host":
+        assert stats["transfer_bytes"] > 0
+    llm.close()
+
+
+def test_specmoe_draft_moves_no_bytes_on_cuda(cuda_reference, tmp_path):
+    path, prompts, _, budget = cuda_reference
+    trace = tmp_path / "spec.jsonl"
+    llm = LLM(model=str(path), device="cuda", policy="specmoe", offload="host", offload_dir=str(tmp_path),
+              device_memory=budget, max_batch_size=8, max_model_len=64, trace=str(trace))
+    llm.generate(prompts, GREEDY)
+    assert llm.last_stats["draft_transfer_bytes"] == 0
+    llm.close()
+    _, records = read_trace(trace)
+    drafts = [r for r in records if r.kind == "draft"]
+    assert drafts and all(r.transfer_bytes == 0 for r in drafts)
+    assert sum(r.transfer_bytes for r in records if r.kind == "verify") > 0
+
+
+def test_replay_runs_on_cuda_with_pinned_experts(cuda_reference, tmp_path, capsys):
+    from specmoe.cli import main
+
+    path, prompts, _, _ = cuda_reference
+    trace = tmp_path / "spec.jsonl"
+    llm = LLM(model=str(path), device="cuda", policy="specmoe", offload="host", offload_dir=str(tmp_path),
+              max_batch_size=4, max_model_len=64, trace=str(trace))
+    llm.generate(prompts[:4], GREEDY)
+    llm.close()
+    rc = main(["replay", "--trace", str(trace), "--model-shape", "mixtral-8x7b", "--scale", "0.125", "--layers", "1",
+               "--max-steps", "2", "--device", "cuda", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["config"]["device"].startswith("cuda") and doc["config"]["pinned"]
+    assert {r["policy"] for r in doc["records"]} == {"ondemand", "overlap", "caching", "specmoe"}
+    assert all("error" not in r and r["layer_s"] > 0 for r in doc["records"])
+    assert next(r for r in doc["records"] if r["policy"] == "specmoe")["draft_transfer_bytes"] == 0
