@@ -34,6 +34,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--threads", type=int, help="CPU compute threads (default: half the cores)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def engine_options(args, max_batch_size: int) -> dict:
         device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
         gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
-        cache_fraction=args.cache_fraction, trace=args.trace,
+        cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
     )
 
 

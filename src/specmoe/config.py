@@ -262,6 +262,7 @@ class EngineConfig:
     draft_quant: str = "none"
     cache_fraction: float = 0.1
     trace: str | None = None
+    threads: int | None = None  # CPU compute threads; None: half the cores (the rest move experts)
 
     def __post_init__(self):
         _choice("device", self.device, DEVICES)

@@ -7,6 +7,7 @@ Requests may join and leave between steps (continuous batching).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -50,6 +51,10 @@ class Engine:
         self.checkpoint = Checkpoint(model_dir)
         self.config = self.checkpoint.config
         self.device = resolve_device(options.device)
+        if self.device.type == "cpu":
+            # Small per-expert matmuls gain little from more threads, and a free core keeps
+            # the transfer thread's reads and copies off the compute path.
+            torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 2) // 2))
         self.dtype = resolve_dtype(options.dtype, self.checkpoint, self.device)
         self.tokenizer = Tokenizer.from_dir(self.checkpoint.dir)
         self.max_model_len = min(
