@@ -22,7 +22,7 @@ demo: install
 		--max-tokens 32 --policy specmoe --offload disk --batch-size 16 > /dev/null
 
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q tests
 
 bench: install
 	$(BIN)/specmoe bench --markdown BENCHMARKS.md --json bench.json --plot bench.png
