@@ -28,7 +28,7 @@ def reference(tiny_ckpt):
 
 def spec_llm(path, budget, tmp_path, **kw):
     opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path), device_memory=budget,
-                max_batch_size=8, max_model_len=64)
+                max_batch_size=8, max_model_len=64, draft_quant="none")  # the paper's draft unless a test says
     opts.update(kw)
     return LLM(model=str(path), **opts)
 
@@ -57,6 +57,16 @@ def test_greedy_identity_holds_at_other_batch_sizes_and_tiers(reference, tmp_pat
     llm = spec_llm(path, budget, tmp_path, offload=tier, max_batch_size=batch)
     got = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in outs]
+    llm.close()
+
+
+def test_default_draft_takes_quantized_copies_that_fit_and_keeps_the_output(reference, tmp_path):
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path, draft_quant="auto")
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["draft_quant"] in ("int8", "int4") and stats["draft_quantized_bytes"] > 0
+    assert stats["token_ids_sha256"] == sha and stats["device_peak_bytes"] <= budget
     llm.close()
 
 

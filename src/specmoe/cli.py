@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
     p.add_argument("--substitution", default="affinity", help="affinity | random")
     p.add_argument("--draft-compute", default="device", help="device | host")
-    p.add_argument("--draft-quant", default="none", help="none | int8 | int4")
+    p.add_argument("--draft-quant", default="auto",
+                   help="auto (int8, else int4 copies of every expert where they fit) | none (the paper's draft) | int8 | int4 | int3")
     p.add_argument("--cache-fraction", type=float, default=0.1, help="share of each block kept resident (caching)")
     p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
 

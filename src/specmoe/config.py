@@ -259,7 +259,7 @@ class EngineConfig:
     draft_set: str = "temporal-hot"
     substitution: str = "affinity"
     draft_compute: str = "device"
-    draft_quant: str = "none"
+    draft_quant: str = "auto"  # auto: int8, else int4 copies of every expert where they fit; none: the paper's draft
     cache_fraction: float = 0.1
     trace: str | None = None
     threads: int | None = None  # CPU compute threads; None: half the cores (the rest move experts)
@@ -278,8 +278,10 @@ class EngineConfig:
                 raise SpecMoEError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise SpecMoEError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.draft_experts is not None and (not isinstance(self.draft_experts, int) or self.draft_experts < 1):
-            raise SpecMoEError(f"draft_experts must be a positive integer, got {self.draft_experts!r}")
+        _choice("draft_quant", self.draft_quant, ("auto", "none", "int8", "int4", "int3"))
+        smallest = 0 if self.draft_quant != "none" else 1  # quantized copies can draft alone
+        if self.draft_experts is not None and (not isinstance(self.draft_experts, int) or self.draft_experts < smallest):
+            raise SpecMoEError(f"draft_experts must be an integer >= {smallest}, got {self.draft_experts!r}")
         if not 0 <= self.cache_fraction <= 1:
             raise SpecMoEError(f"cache_fraction must be between 0 and 1, got {self.cache_fraction!r}")
 

@@ -21,6 +21,7 @@ class RunCounters:
     decode_tokens: int = 0  # tokens produced by decode steps
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    agreed: int = 0  # draft tokens equal to the target's argmax at their position (greedy)
     draft_s: float = 0.0
     verify_s: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -62,6 +63,7 @@ def summarize(
         "steps": counters.steps,
         "tokens_per_step": counters.decode_tokens / counters.seq_steps if counters.seq_steps else 0.0,
         "acceptance_rate": counters.accepted / counters.drafted if counters.drafted else None,
+        "draft_target_agreement": counters.agreed / counters.drafted if counters.drafted else None,
         "draft_s": counters.draft_s,
         "verify_s": counters.verify_s,
         "transfer_bytes": transfer,

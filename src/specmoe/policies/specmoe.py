@@ -13,6 +13,7 @@ refresh normally moves nothing.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from ..experts.store import default_cache_dir
 from ..model.moe import Routing, combine, group_by_expert, run_expert
 from ..spec.affinity import load_affinity, substitution_map
 from ..spec.hotness import HotnessCounter, random_draft_set
-from ..spec.quant import QUANT_MODES, expert_nbytes, quantize_all
+from ..spec.quant import QUANT_MODES, quantize_all
 from .offload import OffloadPolicy
 
 DRAFT_SETS = ("temporal-hot", "global-hot", "random")
@@ -39,7 +40,8 @@ class SpecMoEPolicy(OffloadPolicy):
 
     @classmethod
     def min_slots(cls, config, options) -> int:
-        n = options.draft_experts or 1
+        # with quantized copies of every expert the draft needs no full-precision one
+        n = options.draft_experts or (0 if options.draft_quant != "none" else 1)
         return n * len(config.moe_layer_ids) + WORKING_SLOTS
 
     @classmethod
@@ -53,42 +55,25 @@ class SpecMoEPolicy(OffloadPolicy):
                                      ("draft_compute", opts.draft_compute, DRAFT_COMPUTE)):
             if value not in allowed:
                 raise SpecMoEError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
-        if opts.draft_quant not in DRAFT_QUANT:
-            raise SpecMoEError(f"unknown draft_quant {opts.draft_quant!r}; choose one of: {', '.join(DRAFT_QUANT)}")
+        if opts.draft_quant not in DRAFT_QUANT + ("auto",):
+            raise SpecMoEError(f"unknown draft_quant {opts.draft_quant!r}; choose one of: auto, {', '.join(DRAFT_QUANT)}")
         if opts.draft_compute == "host" and opts.offload != "host":
             raise SpecMoEError("draft_compute host computes draft experts where they live and needs --offload host")
-        quant = opts.draft_quant != "none"
-        if quant and opts.draft_compute == "host":
+        if opts.draft_quant not in ("none", "auto") and opts.draft_compute == "host":
             raise SpecMoEError(f"--draft-quant {opts.draft_quant} already gives the draft every expert on the device; "
                                "drop --draft-compute host or use --draft-quant none")
         c = runtime.config
         cache = Path(opts.offload_dir) if opts.offload_dir else default_cache_dir()
         self.quantized = None
         self.quantized_bytes = 0
-        if quant:
-            # Reserved before the pool is sized, so the pool gets what is left: the
-            # quantized copies of all experts, plus one expert dequantized at a time.
-            self.quantized_bytes = len(runtime.expert_keys) * expert_nbytes(c.hidden_size, c.expert_intermediate_size,
-                                                                             opts.draft_quant)
-            runtime.budget.reserve(
-                "quantized draft experts", self.quantized_bytes,
-                hint=f" ({opts.draft_quant} copies of all {len(runtime.expert_keys)} experts; a lower-bit "
-                     "--draft-quant needs less)",
-            )
-            runtime.budget.reserve("quantized draft scratch", runtime.expert_bytes)
-            # The draft needs no full-precision expert in the pool: only the working slots
-            # (and explicit --draft-experts). TODO(lead): move into min_slots, then drop this.
-            self.min_slots = lambda config, options: (
-                WORKING_SLOTS + (options.draft_experts or 0) * len(config.moe_layer_ids))
+        self.draft_quant = self._reserve_quantized(runtime, cache)
+        runtime = replace(runtime, options=replace(opts, draft_quant=self.draft_quant))  # auto, resolved
+        opts = runtime.options
         super().__init__(runtime)
+        quant = self.quantized is not None
         if opts.draft_experts and opts.draft_experts > c.num_experts:
             raise SpecMoEError(f"--draft-experts {opts.draft_experts} exceeds the {c.num_experts} experts per block")
         if quant:
-            self.quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, opts.draft_quant, runtime.dtype,
-                                          cache, runtime.device)
-            if self.quantized.nbytes != self.quantized_bytes:
-                raise RuntimeError(f"internal: quantized copies hold {self.quantized.nbytes} bytes, "
-                                   f"{self.quantized_bytes} were reserved")
             # full-precision draft experts where the budget allows: possibly none
             fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.moe_layer_ids)
             default = max(0, min(c.num_experts // 4, fits))
@@ -117,7 +102,7 @@ class SpecMoEPolicy(OffloadPolicy):
             draft_set=self.runtime.options.draft_set,
             substitution=self.runtime.options.substitution,
             draft_compute=self.runtime.options.draft_compute,
-            draft_quant=self.runtime.options.draft_quant,
+            draft_quant=self.draft_quant,
             draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.expert_bytes,
             draft_quantized_bytes=self.quantized_bytes,
             refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
@@ -126,6 +111,30 @@ class SpecMoEPolicy(OffloadPolicy):
             prefetch_recall=self.prefetch_hits / self.prefetch_needed if self.prefetch_needed else None,
         )
         return s
+
+    def _reserve_quantized(self, runtime, cache) -> str:
+        """Quantized copies of every expert for the draft, reserved before the pool is sized.
+
+        `auto` (the default) takes the most precise copies that leave room for the working
+        slots: int8, else int4, else none (the paper's draft of resident experts only)."""
+        opts = runtime.options
+        modes = ("int8", "int4") if opts.draft_quant == "auto" and opts.draft_compute == "device" else (opts.draft_quant,)
+        for mode in modes:
+            if mode in ("none", "auto"):
+                break
+            quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, mode, runtime.dtype, cache, runtime.device)
+            need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
+            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.expert_bytes:
+                continue  # does not fit beside the working slots: try fewer bits
+            runtime.budget.reserve(
+                "quantized draft experts", quantized.nbytes,
+                hint=f" ({mode} copies of all {len(runtime.expert_keys)} experts; a lower-bit --draft-quant needs less)",
+            )
+            if quantized.scratch_bytes(runtime.dtype):
+                runtime.budget.reserve("quantized draft scratch", quantized.scratch_bytes(runtime.dtype))
+            self.quantized, self.quantized_bytes = quantized, quantized.nbytes
+            return mode
+        return "none"
 
     # --- passes --------------------------------------------------------------------------
 

@@ -47,7 +47,9 @@ class SpeculativeDecoder:
         accepted_lengths = []
         for seq, start, draft, q, rows in zip(seqs, starts, drafts, draft_probs, torch.split(logits, [len(f) for f in fed])):
             if seq.params.greedy:
-                accepted, nxt = accept_greedy(draft, rows.argmax(-1).tolist())
+                targets = rows.argmax(-1).tolist()
+                accepted, nxt = accept_greedy(draft, targets)
+                counters.agreed += sum(d == t for d, t in zip(draft, targets))  # teacher-forced agreement
             else:
                 p = target_probs(rows, seq.params).cpu()
                 accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, seq.generator)

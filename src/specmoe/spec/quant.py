@@ -9,9 +9,14 @@ Format (per matrix W [out, in], `in` the input dimension):
   `in`, else the whole row): s = max|W_group| / qmax (stored float16),
   q = clamp(round(W / s), -qmax - 1, qmax), W ~= q * s.
   int8: q as int8.  int4 / int3: q + 2^(bits-1) as unsigned codes, packed 8 codes into
-  `bits` bytes, little-endian (int4: two per byte, the even column in the low nibble).
+  `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
 An expert is two matrices, as in the full-precision buffer: gate_up [2I, D] (gate rows
 first) and down [D, I].
+
+That format is what is cached and what `quant_error_report` measures. On the device the
+draft holds each matrix either in it (dequantized to the compute dtype once per call,
+then F.linear) or, for int4 on the CPU, in the layout of torch's fused int4 matmul
+(`Int4KernelMatrix`): the same codes and scales, multiplied without a dequantized copy.
 
 Shapes: D hidden, I expert intermediate, E experts per block, n experts used.
 
@@ -25,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..checkpoint import Checkpoint
 from ..errors import SpecMoEError
@@ -141,6 +147,68 @@ class QuantizedMatrix:
         w.view(*w.shape[:-1], groups, self.in_features // groups).mul_(self.scales.to(dtype)[..., None])
         return w
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T, W dequantized to x's dtype once for the call."""
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes of one dequantized matrix (alive during `linear`)."""
+        return self.out_features * self.in_features * torch.tensor([], dtype=dtype).element_size()
+
+
+# torch's fused int4 weight-only matmul on the CPU (the kernel behind gpt-fast's int4):
+# W = (q_u - 8) * s + z per group, bf16 activations. An order of magnitude faster than
+# unpacking and dequantizing in separate ops, and it needs no dequantized scratch.
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def int4_kernel_fits(device: torch.device, bits: int, out_features: int, group: int) -> bool:
+    return (torch.device(device).type == "cpu" and bits == 4 and out_features % 16 == 0
+            and group in INT4_KERNEL_GROUPS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+@dataclass(frozen=True)
+class Int4KernelMatrix:
+    """An int4 QuantizedMatrix in the layout of torch's CPU int4 matmul."""
+
+    packed: torch.Tensor  # uint8 [..., out, in / 2], torch's CPU int4pack layout
+    scales_zeros: torch.Tensor  # bfloat16 [..., in / group, out, 2]: (scale, 0)
+    group: int
+    in_features: int
+
+    @classmethod
+    def from_quantized(cls, q: QuantizedMatrix) -> Int4KernelMatrix:
+        out = q.out_features
+        lead = q.scales.shape[:-2]
+        codes = unpack(q.data, 4, out * q.in_features).reshape(-1, out, q.in_features).to(torch.int32)
+        packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in codes])
+        scales = q.scales.to(torch.bfloat16).transpose(-1, -2)  # [..., groups, out]
+        scales_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1)
+        return cls(packed.reshape(*lead, *packed.shape[1:]).contiguous(), scales_zeros.contiguous(), q.group,
+                   q.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    def select(self, index) -> Int4KernelMatrix:
+        return Int4KernelMatrix(self.packed[index], self.scales_zeros[index], self.group, self.in_features)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
+        return y.to(x.dtype)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+
+def device_layout(q: QuantizedMatrix, device) -> QuantizedMatrix | Int4KernelMatrix:
+    """The matrix as the draft will hold it on `device`: the fused int4 kernel's layout where
+    it applies, else the portable format (dequantized per call)."""
+    if int4_kernel_fits(device, q.bits, q.out_features, q.group):
+        return Int4KernelMatrix.from_quantized(q)
+    return q.to(device)
+
 
 def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     """Symmetric per-group quantization of w [..., out, in] (any float dtype)."""
@@ -169,8 +237,8 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
 class QuantizedExpert:
     """One expert's (or, with a leading dim, several experts') quantized matrices."""
 
-    gate_up: QuantizedMatrix  # [(n,) 2I, D]
-    down: QuantizedMatrix  # [(n,) D, I]
+    gate_up: QuantizedMatrix | Int4KernelMatrix  # [(n,) 2I, D]
+    down: QuantizedMatrix | Int4KernelMatrix  # [(n,) D, I]
 
     @property
     def nbytes(self) -> int:
@@ -180,10 +248,15 @@ class QuantizedExpert:
         return QuantizedExpert(self.gate_up.select(index), self.down.select(index))
 
     def to(self, device) -> QuantizedExpert:
-        return QuantizedExpert(self.gate_up.to(device), self.down.to(device))
+        """For the draft on `device` (the fused int4 layout where it applies)."""
+        return QuantizedExpert(device_layout(self.gate_up, device), device_layout(self.down, device))
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Portable format only."""
         return self.gate_up.dequantize(dtype), self.down.dequantize(dtype)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return max(self.gate_up.scratch_bytes(dtype), self.down.scratch_bytes(dtype))
 
 
 def quantize_expert(buffer: torch.Tensor, hidden: int, inter: int, bits: int) -> QuantizedExpert:
@@ -193,9 +266,10 @@ def quantize_expert(buffer: torch.Tensor, hidden: int, inter: int, bits: int) ->
 
 
 def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert) -> torch.Tensor:
-    """SwiGLU expert on x [T, D] with weights dequantized to x's dtype once per call."""
-    gate_up, down = qexpert.dequantize(x.dtype)
-    return swiglu(x, gate_up, down)
+    """SwiGLU expert on x [T, D]: down(silu(gate x) * up x), each matrix dequantized to x's
+    dtype once per call (or multiplied by the fused int4 kernel), result in x's dtype."""
+    gate, up = qexpert.gate_up.linear(x).chunk(2, dim=-1)
+    return qexpert.down.linear(F.silu(gate) * up)
 
 
 def expert_nbytes(hidden: int, inter: int, mode: str) -> int:
@@ -223,6 +297,10 @@ class QuantizedExperts:
     @property
     def nbytes(self) -> int:
         return sum(q.nbytes for q in self.layers.values())
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes of the largest matrix one quantized expert call dequantizes (0 with the fused kernel)."""
+        return max((q.select(0).scratch_bytes(dtype) for q in self.layers.values()), default=0)
 
     def expert(self, layer: int, e: int) -> QuantizedExpert:
         return self.layers[layer].select(e)
