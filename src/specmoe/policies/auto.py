@@ -19,22 +19,35 @@ LOCAL_PROFILE = "local"
 
 
 def machine_profile(tier: str, bandwidth: float | None):
+    """This machine's calibrated profile for experts on `tier` (calibrated once if missing)."""
     from ..perf.calibrate import calibrate, disk_variant
-    from ..perf.hardware import cache_dir, load_profile, save_profile
+    from ..perf.hardware import cache_dir, save_profile
 
-    name = LOCAL_PROFILE + ("-disk" if tier == "disk" else "")
-    try:
-        profile = load_profile(name)
-    except ValueError:
+    profile = _saved_profile(tier)
+    if profile is None:
         print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
-        profile, m = calibrate(LOCAL_PROFILE, cache_dir() / "calibrate", 64 << 20)
-        save_profile(profile, m)
-        if profile.slow_tier == "host":
-            save_profile(disk_variant(profile, m), m)
-        profile = load_profile(name) if tier == "disk" and profile.slow_tier == "host" else profile
+        measured, m = calibrate(LOCAL_PROFILE, cache_dir() / "calibrate", 64 << 20)
+        save_profile(measured, m)
+        if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
+            save_profile(disk_variant(measured, m), m)
+        profile = _saved_profile(tier) or measured
     if bandwidth:
         profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))
     return profile
+
+
+def _saved_profile(tier: str):
+    """'local-disk' on a GPU machine; on a CPU-only one 'local' already has the disk as its slow tier."""
+    from ..perf.hardware import load_profile
+
+    for name in (LOCAL_PROFILE + "-disk", LOCAL_PROFILE) if tier == "disk" else (LOCAL_PROFILE,):
+        try:
+            profile = load_profile(name)
+        except ValueError:
+            continue
+        if profile.slow_tier == tier:
+            return profile
+    return None
 
 
 def choose(runtime):
@@ -55,7 +68,9 @@ def choose(runtime):
         raise SpecMoEError(f"policy auto: {exc}") from None
     overrides = {"policy": chosen.policy}
     if chosen.policy == "specmoe":
-        overrides.update(gamma=chosen.gamma, draft_experts=_fit_draft_experts(runtime, chosen.draft_experts))
+        # gamma from the plan (then tuned online); the draft's experts are specmoe's own
+        # choice from the budget (quantized copies where they fit), which the model does not cover
+        overrides.update(gamma=chosen.gamma)
     if chosen.policy == "caching" and chosen.cache_fraction:
         overrides.update(cache_fraction=chosen.cache_fraction)
     return chosen.policy, replace(opts, **overrides), chosen
@@ -66,12 +81,3 @@ def _plan_memory(runtime, available):
     if available is None:
         return None
     return int(available + runtime.budget.used)
-
-
-def _fit_draft_experts(runtime, wanted: int) -> int:
-    from ..experts.pool import slots_for_budget
-    from .specmoe import WORKING_SLOTS
-
-    c = runtime.config
-    slots = slots_for_budget(runtime.budget, runtime.expert_bytes, len(runtime.expert_keys))
-    return max(1, min(wanted, (slots - WORKING_SLOTS) // len(c.moe_layer_ids)))

@@ -1,0 +1,271 @@
+"""`specmoe bench`: the CLI, and the run that ties grid, anchors and ablations together."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import SpecMoEError
+
+DEFAULT_POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+QUICK_BATCH_SIZES = (1, 16)
+DEFAULT_MAX_TOKENS, QUICK_MAX_TOKENS = 32, 16
+DEFAULT_REPEATS, QUICK_REPEATS = 3, 1
+BATCHES_PER_RUN = 2  # each run decodes BATCHES_PER_RUN x B prompts (the first ones of the file)
+HELDOUT = Path("benchmarks") / "prompts" / "heldout.jsonl"
+
+_PARSER = None  # the bench subparser, to print the exact command back in canonical form
+
+
+def register(subparsers) -> None:
+    global _PARSER
+    from ..cli import add_model_args
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark every policy side by side across batch sizes (table, JSON, plot, BENCHMARKS.md)",
+        description="Run every policy on the same model, prompts and device budget across batch sizes, interleaved "
+        "(A B C A B C ...) after a warm-up, and report the median of --repeats runs with min/max, ratios to "
+        "ondemand measured in the same run, and whether every policy produced resident's tokens (exit status 1 "
+        "if not). Default budget: non-expert bytes + the KV cache reserved for the run + 30%% of expert bytes.",
+    )
+    add_model_args(p)
+    p.add_argument("--prompts-file", help=f"prompts (.jsonl with prompt / prompt_token_ids, or text lines); default {HELDOUT}")
+    p.add_argument("--policies", help="comma-separated (default resident,ondemand,overlap,caching,specmoe; plus host with --offload host)")
+    p.add_argument("--batch-sizes", help="comma-separated batch sizes (default 1,4,16,64; --quick: 1,16)")
+    p.add_argument("--offload", default="disk", help="tier of offloaded experts: disk | host (default disk)")
+    p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: the cache dir)")
+    p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
+    p.add_argument("--device-memory", help="one device budget for every run, e.g. 512MiB; or a share like 50%% "
+                   "(non-expert + KV + that share of expert bytes, per batch size; default 30%%)")
+    p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
+    p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
+    p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (default 5)")
+    p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (default: from the budget)")
+    p.add_argument("--quick", action="store_true", help="a small grid for smoke runs: batch sizes 1,16, 16 tokens, 1 repeat")
+    p.add_argument("--json", metavar="FILE", help="write machine, config, records, anchors, ablations as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a PNG: throughput, bytes moved per token, tokens per step vs gamma")
+    p.add_argument("--markdown", metavar="FILE", help="write or update this run's section of FILE (e.g. BENCHMARKS.md)")
+    p.add_argument("--markdown-section", help="section name in --markdown FILE (default: from tier, bandwidth and --quick)")
+    p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute, comma-separated, or all")
+    p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
+    p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
+    p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
+    p.add_argument("--trace-dir", help="write each run's routing/timing trace to DIR/<policy>-b<B>.jsonl")
+    p.set_defaults(func=run_bench)
+    _PARSER = p
+
+
+# --- settings ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    model_dir: str
+    prompts_file: str
+    policies: list[str]
+    batch_sizes: list[int]
+    offload: str
+    offload_dir: str | None
+    offload_bandwidth: str | None
+    device_memory: int | None  # one absolute budget; None: the share rule with expert_fraction
+    expert_fraction: float
+    max_tokens: int
+    repeats: int
+    gamma: int
+    draft_experts: int | None
+    device: str
+    dtype: str
+    quick: bool
+    ablations: list[str]
+    ablation_batch_size: int
+    grid: bool
+    anchors: list[str]
+    trace_dir: str | None
+    threads: int | None = None
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _positive(value, flag) -> int:
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecMoEError(f"{flag} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes):
+        raise SpecMoEError(f"--batch-sizes {text!r}: give positive integers separated by commas, e.g. 1,4,16,64")
+    return sorted(set(sizes))
+
+
+def parse_policies(text: str | None, offload: str) -> list[str]:
+    from ..policies import POLICIES
+
+    if text is None:
+        return list(DEFAULT_POLICIES) + (["host"] if offload == "host" else [])
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise SpecMoEError(f"--policies {text!r}: name at least one of: {', '.join(POLICIES)}")
+    for n in names:
+        if n not in POLICIES and n != "auto":
+            raise SpecMoEError(f"unknown policy {n!r} in --policies; choose from: {', '.join(POLICIES)}, auto")
+    if "host" in names and offload != "host":
+        raise SpecMoEError("policy host computes experts in host memory where they live: add --offload host or drop host from --policies")
+    return names
+
+
+def parse_anchors(text: str) -> list[str]:
+    from .anchors import ANCHORS
+
+    if text == "auto":
+        return list(ANCHORS)
+    if text == "none":
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in ANCHORS:
+            raise SpecMoEError(f"unknown anchor {n!r} in --anchors; choose from: auto, none, {', '.join(ANCHORS)}")
+    return list(dict.fromkeys(names))
+
+
+def default_prompts_file() -> Path:
+    for root in (Path(__file__).resolve().parents[3], Path.cwd()):
+        if (root / HELDOUT).is_file():
+            return root / HELDOUT
+    raise SpecMoEError(f"the held-out prompts ({HELDOUT}) are not found here: pass --prompts-file FILE")
+
+
+def canonical_command(args) -> str:
+    """The command line that reproduces this run: every flag that differs from its default."""
+    parts = ["specmoe", "bench"]
+    if _PARSER is None:
+        return " ".join(parts)
+    for action in _PARSER._actions:
+        if not action.option_strings or action.dest in ("help",):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if value is True:
+            parts.append(flag)
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+def settings_from_args(args) -> Settings:
+    from ..config import OFFLOAD_TIERS, expert_share, parse_rate, parse_size
+    from ..llm import default_model_dir
+    from .ablation import parse_ablations
+    from .grid import EXPERT_FRACTION
+
+    if args.offload not in OFFLOAD_TIERS:
+        raise SpecMoEError(f"unknown --offload {args.offload!r}; choose one of: {', '.join(OFFLOAD_TIERS)}")
+    policies = parse_policies(args.policies, args.offload)
+    quick = bool(args.quick)
+    batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else list(QUICK_BATCH_SIZES if quick else DEFAULT_BATCH_SIZES)
+    max_tokens = _positive(args.max_tokens if args.max_tokens is not None else (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS), "--max-tokens")
+    repeats = _positive(args.repeats if args.repeats is not None else (QUICK_REPEATS if quick else DEFAULT_REPEATS), "--repeats")
+    gamma = _positive(args.gamma, "--gamma")
+    draft_experts = _positive(args.draft_experts, "--draft-experts") if args.draft_experts is not None else None
+    if args.threads is not None:
+        _positive(args.threads, "--threads")
+    ablations = parse_ablations(args.ablation)
+    notes = []
+    if args.ablation and args.ablation.strip() == "all" and args.offload != "host":
+        ablations.remove("draft-compute")
+        notes.append("--ablation all: draft-compute skipped (it needs --offload host)")
+    if "draft-compute" in ablations and args.offload != "host":
+        raise SpecMoEError("--ablation draft-compute compares drafting on the device with drafting on the host where "
+                           "the experts live, and needs --offload host")
+    if args.no_grid and not ablations:
+        raise SpecMoEError("--no-grid leaves nothing to run: add --ablation NAME")
+    if args.offload_bandwidth is not None:
+        parse_rate(args.offload_bandwidth)  # validated now, applied by the engine
+    device_memory, fraction = None, EXPERT_FRACTION
+    if args.device_memory is not None:
+        share = expert_share(args.device_memory)
+        if share is None:
+            device_memory = parse_size(args.device_memory, "--device-memory")
+        else:
+            fraction = share
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SpecMoEError("--plot needs matplotlib: pip install 'specmoe[bench]'") from None
+        if not str(args.plot).lower().endswith(".png"):
+            raise SpecMoEError(f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png")
+    model_dir = str(Path(args.model) if args.model else default_model_dir())
+    return Settings(
+        model_dir=model_dir, prompts_file=str(args.prompts_file or default_prompts_file()), policies=policies,
+        batch_sizes=batch_sizes, offload=args.offload, offload_dir=args.offload_dir,
+        offload_bandwidth=args.offload_bandwidth, device_memory=device_memory, expert_fraction=fraction,
+        max_tokens=max_tokens,
+        repeats=repeats, gamma=gamma, draft_experts=draft_experts, device=args.device, dtype=args.dtype,
+        quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
+        grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
+        command=canonical_command(args), notes=notes,
+    )
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+def run_bench(args) -> int:
+    import torch
+
+    settings = settings_from_args(args)  # every flag is checked before anything runs
+    before = torch.get_num_threads()
+    try:
+        return _run_bench(args, settings)
+    finally:
+        torch.set_num_threads(before)  # the engines set it (--threads); leave the caller's as it was
+
+
+def _run_bench(args, s: Settings) -> int:
+    from ..cli import read_prompts_file
+    from ..config import ModelConfig
+    from ..info import model_info
+    from . import report
+    from .grid import encode_prompts
+    from .machine import machine_info
+    from .suite import Suite
+
+    cfg = ModelConfig.from_dir(Path(s.model_dir))
+    prompts = encode_prompts(read_prompts_file(s.prompts_file), Path(s.model_dir), cfg.vocab_size)
+    info = model_info(s.model_dir, dtype=s.dtype, device=s.device)
+    suite = Suite(s, cfg, info, prompts, machine_info())
+    with report.Progress(total=suite.planned_runs()) as progress:
+        doc = suite.run(progress)
+    report.print_console(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+        print(f"specmoe bench: wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from .plot import write_plot
+
+        write_plot(doc, args.plot)
+        print(f"specmoe bench: wrote {args.plot}", file=sys.stderr)
+    if args.markdown:
+        section = args.markdown_section or report.default_section(doc["config"])
+        report.update_markdown(Path(args.markdown), section, report.markdown(doc, section))
+        print(f"specmoe bench: updated section {section!r} of {args.markdown}", file=sys.stderr)
+    return 1 if doc["outputs_check"]["mismatches"] else 0
+
+
+def _json_default(obj):
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
