@@ -19,10 +19,10 @@ demo: install
 	$(BIN)/specmoe info
 	$(BIN)/specmoe generate "The built-in function len returns" --max-tokens 48
 	$(BIN)/specmoe generate --prompts-file benchmarks/prompts/heldout.jsonl --num-prompts 16 \
-		--max-tokens 32 --policy specmoe --offload disk --batch-size 16 > /dev/null
+		--max-tokens 32 --policy specmoe --offload disk --device-memory 30% --batch-size 16 > /dev/null
 
 test: install
 	$(BIN)/python -m pytest -q tests
 
 bench: install
-	$(BIN)/specmoe bench --markdown BENCHMARKS.md --json bench.json --plot bench.png
+	$(BIN)/specmoe bench --json bench.json --plot bench.png
