@@ -1,0 +1,62 @@
+"""The paper's ablations (DESIGN.md §2), each a set of specmoe variants at one batch size.
+
+Every ablation also runs `ondemand` in the same rotation: throughput is reported as a
+ratio to it, and every variant's tokens must equal its tokens (ondemand's equal
+resident's: the main grid and the policy tests check that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import SpecMoEError
+
+ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute")
+
+WHAT = {
+    "draft-set": "which experts draft: temporal-hot (refreshed from the last verify pass, the paper's), "
+                 "global-hot (most used in profiling), random",
+    "substitution": "a pick outside the draft set is replaced by the nearest draft expert by weight distance "
+                    "(affinity) or by a random draft expert",
+    "draft-experts": "N draft experts per MoE block, N = 2, 4, 8, 16 below the block's expert count (the budget is "
+                     "raised where N does not fit it; see device_memory in the JSON)",
+    "gamma": "draft tokens per speculative step",
+    "draft-compute": "draft on the device with substitutes (device) vs computing non-resident experts on the host "
+                     "with the exact router (host)",
+}
+
+
+@dataclass
+class Variant:
+    label: str
+    options: dict  # engine options over the run's
+    fields: dict = field(default_factory=dict)  # recorded with each record
+
+
+def parse_ablations(text: str | None) -> list[str]:
+    if not text:
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        return list(ABLATIONS)
+    for n in names:
+        if n not in ABLATIONS:
+            raise SpecMoEError(f"unknown --ablation {n!r}; choose from: {', '.join(ABLATIONS)} (comma-separated) or all")
+    return list(dict.fromkeys(names))
+
+
+def variants(name: str, num_experts: int, gamma: int, quick: bool) -> list[Variant]:
+    if name == "draft-set":
+        return [Variant(s, {"draft_set": s}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
+    if name == "substitution":
+        return [Variant(s, {"substitution": s}, {"substitution": s}) for s in ("affinity", "random")]
+    if name == "draft-experts":
+        # N = E would make the draft the full model (nothing to substitute): below E only.
+        ns = [n for n in (2, 4, 8, 16) if n < num_experts] or [max(1, num_experts - 1)]
+        return [Variant(f"N={n}", {"draft_experts": n}, {"draft_experts": n}) for n in ns]
+    if name == "gamma":
+        gs = (1, 3, 5, 10) if quick else tuple(range(1, 11))
+        return [Variant(f"gamma={g}", {"gamma": g}, {"gamma": g}) for g in gs]
+    if name == "draft-compute":
+        return [Variant(f"draft on {c}", {"draft_compute": c}, {"draft_compute": c}) for c in ("device", "host")]
+    raise ValueError(name)

@@ -1,0 +1,55 @@
+"""What machine a benchmark ran on: recorded with every result, printed with every table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def machine_info(device: str | None = None) -> dict:
+    import torch
+
+    info = {
+        "cpu": cpu_name(),
+        "cores": usable_cores(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "device": device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if info["device"] == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def describe(machine: dict) -> str:
+    gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
+    return (f"{machine['cpu']} ({machine['cores']} cores, torch threads: {machine.get('torch_threads', '?')}){gpu}; torch {machine['torch']}, "
+            f"Python {machine['python']}; {machine['platform']}; {machine['date']}")

@@ -1,0 +1,167 @@
+"""`specmoe bench` on a tiny checkpoint: the documented JSON fields, a valid PNG, the
+markdown section, one-line errors for bad flags, and the summary/identity helpers."""
+
+import json
+import random
+
+import pytest
+
+from specmoe.bench import report
+from specmoe.bench.grid import Measurement, check_outputs, default_budget, summarize
+from specmoe.cli import main
+
+STATS = ("policy", "batch_size", "gamma", "draft_experts", "prompt_tokens", "generated_tokens", "wall_s",
+         "decode_tokens_per_s", "ttft_s", "tbt_s", "steps", "tokens_per_step", "acceptance_rate", "transfer_bytes",
+         "transfer_bytes_per_token", "device_peak_bytes", "cache_hit_rate", "token_ids_sha256")
+POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": [rng.randrange(3, 128) for _ in range(rng.randrange(3, 9))]}) + "\n"
+                            for _ in range(12)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick_run(tiny_ckpt, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--quick", "--repeats", "1", "--batch-sizes", "1,4",
+                 "--max-tokens", "4", "--prompts-file", str(prompts_file), "--offload-dir", str(out / "offload"), "--threads", "1",
+                 "--json", str(out / "out.json"), "--plot", str(out / "out.png")])
+    return code, out
+
+
+def test_quick_bench_exits_zero_when_every_policy_matches_resident(quick_run):
+    code, out = quick_run
+    assert code == 0
+    doc = json.loads((out / "out.json").read_text())
+    assert doc["outputs_check"]["mismatches"] == [] and doc["outputs_check"]["comparisons"] > 0
+
+
+def test_quick_bench_json_has_machine_config_and_a_record_per_policy_and_batch(quick_run):
+    doc = json.loads((quick_run[1] / "out.json").read_text())
+    assert {"cpu", "cores", "torch", "python", "platform", "date"} <= set(doc["machine"])
+    cfg = doc["config"]
+    assert cfg["batch_sizes"] == [1, 4] and cfg["max_tokens"] == 4 and cfg["repeats"] == 1
+    assert doc["machine"]["torch_threads"] == 1 and cfg["threads"] == 1
+    assert "KV cache" in cfg["budget_rule"] and set(cfg["device_memory_by_batch"]) == {"1", "4"}
+    assert {(r["policy"], r["batch_size"]) for r in doc["records"]} == {(p, b) for p in POLICIES for b in (1, 4)}
+    for rec in doc["records"]:
+        for key in STATS + ("ratio_vs_ondemand",):
+            assert key in rec, (rec["policy"], key)
+        assert set(rec["over_repeats"]["decode_tokens_per_s"]) == {"min", "median", "max"}
+        assert rec["outputs_match_resident"] is True
+        if rec["policy"] != "resident":
+            assert rec["device_peak_bytes"] <= cfg["device_memory_by_batch"][str(rec["batch_size"])]
+    assert all(r["ratio_vs_ondemand"] == 1.0 for r in doc["records"] if r["policy"] == "ondemand")
+    assert isinstance(doc["anchors"], list) and isinstance(doc["ablations"], list)
+
+
+def test_quick_bench_runs_the_transformers_anchor_on_the_same_prompts(quick_run):
+    doc = json.loads((quick_run[1] / "out.json").read_text())
+    hf = [a for a in doc["anchors"] if a["anchor"] == "transformers"]
+    assert [a["batch_size"] for a in hf] == [1, 4]
+    for a in hf:
+        assert a["token_agreement_vs_resident"] == 1.0  # float32, greedy, left-padded: the same tokens
+        assert a["ratio_vs_specmoe_resident"] > 0 and a["best_policy"] in POLICIES
+    assert any(a["anchor"] == "llama.cpp" and a.get("skipped") for a in doc["anchors"])
+
+
+def test_quick_bench_writes_a_valid_png(quick_run):
+    data = (quick_run[1] / "out.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_markdown_replaces_its_own_section_and_keeps_the_rest(quick_run, tmp_path):
+    doc = json.loads((quick_run[1] / "out.json").read_text())
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nhand-written intro\n")
+    for _ in range(2):
+        report.update_markdown(path, "disk", report.markdown(doc, "disk"))
+    report.update_markdown(path, "host", "other section\n")
+    text = path.read_text()
+    assert text.count("begin disk -->") == 1 and text.count("begin host -->") == 1
+    assert "hand-written intro" in text and "| 4 | specmoe |" in text and doc["config"]["command"] in text
+
+
+def test_ablation_substitution_runs_variants_beside_ondemand(tiny_ckpt, prompts_file, tmp_path):
+    out = tmp_path / "a.json"
+    code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--no-grid", "--ablation", "substitution",
+                 "--ablation-batch-size", "2", "--repeats", "1", "--max-tokens", "3", "--prompts-file", str(prompts_file),
+                 "--offload-dir", str(tmp_path), "--threads", "1", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["records"] == []
+    (entry,) = doc["ablations"]
+    assert entry["ablation"] == "substitution" and entry["batch_size"] == 2
+    assert [r["label"] for r in entry["records"]] == ["ondemand", "affinity", "random"]
+    for rec in entry["records"]:
+        assert rec["outputs_match_ondemand"] is True and rec["ratio_vs_ondemand"] > 0 and "tokens_per_step" in rec
+
+
+def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny_ckpt, prompts_file, tmp_path):
+    out = tmp_path / "h.json"
+    code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--offload", "host", "--batch-sizes", "2",
+                 "--repeats", "1", "--max-tokens", "3", "--anchors", "none", "--device-memory", "50%",
+                 "--ablation", "draft-compute", "--ablation-batch-size", "2", "--prompts-file", str(prompts_file),
+                 "--threads", "1", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert [r["policy"] for r in doc["records"]] == [*POLICIES, "host"]
+    assert doc["config"]["expert_fraction"] == 0.5 and "50 % of all expert bytes" in doc["config"]["budget_rule"]
+    (entry,) = doc["ablations"]
+    assert [r["label"] for r in entry["records"]] == ["ondemand", "draft on device", "draft on host"]
+    assert all(r["outputs_match_ondemand"] for r in entry["records"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policies", "resident,bogus"], "unknown policy 'bogus'"),
+    (["--policies", "host"], "--offload host"),
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--batch-sizes", "0,4"], "positive integers"),
+    (["--ablation", "draft-compute"], "needs --offload host"),
+    (["--ablation", "nope"], "unknown --ablation 'nope'"),
+    (["--repeats", "0"], "--repeats must be a positive integer"),
+    (["--offload", "tape"], "unknown --offload 'tape'"),
+    (["--plot", "out.svg"], "ending in .png"),
+])
+def test_bad_flags_give_one_line_errors(tiny_ckpt, prompts_file, capsys, flags, message):
+    code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--prompts-file", str(prompts_file), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+# --- helpers, without a model -------------------------------------------------------------------
+
+
+def _run(tokps, sha="a"):
+    return {"decode_tokens_per_s": tokps, "token_ids_sha256": sha, "wall_s": 1.0, "ttft_s": 0.1, "tbt_s": 0.01,
+            "tokens_per_step": 1.0, "acceptance_rate": None, "transfer_bytes_per_token": 0.0}
+
+
+def test_summary_reports_the_median_run_and_min_max_over_repeats():
+    m = Measurement("ondemand", "policy", {}, rounds=[_run(99.0), _run(5.0), _run(9.0), _run(7.0)])
+    rec = summarize(m)
+    assert rec["decode_tokens_per_s"] == 7.0 and rec["repeats"] == 3
+    assert rec["over_repeats"]["decode_tokens_per_s"] == {"min": 5.0, "median": 7.0, "max": 9.0}
+    assert "acceptance_rate" not in rec["over_repeats"]  # None values are not summarised
+
+
+def test_output_check_names_the_policy_and_round_that_differs():
+    ref = Measurement("resident", "policy", {}, rounds=[_run(1.0), _run(1.0)])
+    good = Measurement("caching", "policy", {}, rounds=[_run(1.0), _run(1.0)])
+    bad = Measurement("specmoe", "policy", {}, rounds=[_run(1.0), _run(1.0, sha="b")])
+    checked, mismatches = check_outputs([ref, good, bad], "resident", "B=4")
+    assert checked == 4 and len(mismatches) == 1 and "B=4, repeat 1: specmoe" in mismatches[0]
+    doc = {"outputs_check": {"reference": "resident", "comparisons": checked, "mismatches": mismatches}}
+    assert report.outputs_line(doc).startswith("OUTPUTS DIFFER")
+
+
+def test_default_budget_adds_the_kv_cache_so_experts_keep_their_share():
+    info = {"non_expert_bytes": 1000, "kv_bytes_per_token": 10, "expert_bytes_total": 10_000}
+    assert default_budget(info, batch_size=4, max_model_len=50) == 1000 + 2000 + 3000
+    assert default_budget(info, 16, 50) - default_budget(info, 4, 50) == 10 * 12 * 50
