@@ -127,6 +127,7 @@ def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny
     (["--repeats", "0"], "--repeats must be a positive integer"),
     (["--offload", "tape"], "unknown --offload 'tape'"),
     (["--plot", "out.svg"], "ending in .png"),
+    (["--draft-quant", "int2"], "unknown draft_quant 'int2'"),
 ])
 def test_bad_flags_give_one_line_errors(tiny_ckpt, prompts_file, capsys, flags, message):
     code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--prompts-file", str(prompts_file), *flags])

@@ -111,7 +111,7 @@ def test_default_draft_experts_fit_the_budget_and_at_most_a_quarter(reference, t
 def test_too_many_draft_experts_for_the_budget_is_a_clear_error(reference, tmp_path):
     path, _, _, budget, _ = reference
     with pytest.raises(SpecMoEError, match="raise --device-memory to at least"):
-        spec_llm(path, budget, tmp_path, draft_experts=8)
+        spec_llm(path, budget, tmp_path, draft_experts=6)
 
 
 def test_sampled_speculative_decoding_runs_and_is_reproducible(reference, tmp_path):
@@ -183,3 +183,9 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 def test_a_wrong_acceptance_rule_fails_the_same_test():
     assert chi_square_p(sample_pairs(wrong_rule, 20_000)) < 0.01
+
+
+def test_as_many_draft_experts_as_the_block_has_is_refused(reference, tmp_path):
+    path, _, _, budget, _ = reference
+    with pytest.raises(SpecMoEError, match="must be below the 8 experts per block"):
+        spec_llm(path, budget, tmp_path, draft_experts=8)

@@ -6,7 +6,9 @@ table, JSON, a plot and a BENCHMARKS.md section. Runs are interleaved across pol
 (A B C A B C ...) so that machine drift hits all alike, and every performance figure is
 a ratio against a baseline measured in the same run.
 
-Modules: `grid` (what runs and how it is timed), `runners` (one object per thing timed),
-`anchors` (external systems), `ablation` (variant sets), `report` (table, JSON,
-markdown), `plot`, `machine`, `command` (the CLI).
+Modules: `command` (the CLI and its flags), `suite` (one run: grid, anchors, ablations,
+the JSON document), `grid` (prompts, the budget rule, interleaved timing, medians, the
+token-identity check), `runners` (one object per thing timed), `anchors` (external
+systems), `ablation` (variant sets), `report` (progress, tables, markdown), `plot`,
+`machine`.
 """

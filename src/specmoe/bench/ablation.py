@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 
 from ..errors import SpecMoEError
 
-ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute")
+ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant")
+
+# The paper's ablations are of its draft: N full-precision experts per block plus substitutes.
+# They run with draft_quant="none" whatever the run's --draft-quant (quantized copies of
+# every expert leave nothing to choose or substitute).
+PAPER_DRAFT = {"draft_quant": "none"}
 
 WHAT = {
     "draft-set": "which experts draft: temporal-hot (refreshed from the last verify pass, the paper's), "
@@ -20,9 +25,11 @@ WHAT = {
                     "(affinity) or by a random draft expert",
     "draft-experts": "N draft experts per MoE block, N = 2, 4, 8, 16 below the block's expert count (the budget is "
                      "raised where N does not fit it; see device_memory in the JSON)",
-    "gamma": "draft tokens per speculative step",
+    "gamma": "draft tokens per speculative step (with the run's --draft-quant)",
     "draft-compute": "draft on the device with substitutes (device) vs computing non-resident experts on the host "
                      "with the exact router (host)",
+    "draft-quant": "what drafts: the paper's N resident experts plus substitutes (none) vs quantized copies of every "
+                   "expert on the device (int8, int4); verification stays full precision",
 }
 
 
@@ -47,16 +54,18 @@ def parse_ablations(text: str | None) -> list[str]:
 
 def variants(name: str, num_experts: int, gamma: int, quick: bool) -> list[Variant]:
     if name == "draft-set":
-        return [Variant(s, {"draft_set": s}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
+        return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
-        return [Variant(s, {"substitution": s}, {"substitution": s}) for s in ("affinity", "random")]
+        return [Variant(s, {"substitution": s, **PAPER_DRAFT}, {"substitution": s}) for s in ("affinity", "random")]
     if name == "draft-experts":
         # N = E would make the draft the full model (nothing to substitute): below E only.
         ns = [n for n in (2, 4, 8, 16) if n < num_experts] or [max(1, num_experts - 1)]
-        return [Variant(f"N={n}", {"draft_experts": n}, {"draft_experts": n}) for n in ns]
+        return [Variant(f"N={n}", {"draft_experts": n, **PAPER_DRAFT}, {"draft_experts": n}) for n in ns]
     if name == "gamma":
         gs = (1, 3, 5, 10) if quick else tuple(range(1, 11))
         return [Variant(f"gamma={g}", {"gamma": g}, {"gamma": g}) for g in gs]
     if name == "draft-compute":
-        return [Variant(f"draft on {c}", {"draft_compute": c}, {"draft_compute": c}) for c in ("device", "host")]
+        return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]
+    if name == "draft-quant":
+        return [Variant(f"draft {q}", {"draft_quant": q}, {}) for q in ("none", "int8", "int4")]
     raise ValueError(name)

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
         description="Run every policy on the same model, prompts and device budget across batch sizes, interleaved "
         "(A B C A B C ...) after a warm-up, and report the median of --repeats runs with min/max, ratios to "
         "ondemand measured in the same run, and whether every policy produced resident's tokens (exit status 1 "
-        "if not). Default budget: non-expert bytes + the KV cache reserved for the run + 30%% of expert bytes.",
+        "if not). Default budget: non-expert bytes + the KV cache reserved for the run + 30 % of expert bytes.",
     )
     add_model_args(p)
     p.add_argument("--prompts-file", help=f"prompts (.jsonl with prompt / prompt_token_ids, or text lines); default {HELDOUT}")
@@ -45,12 +45,15 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
     p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (default 5)")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (default: from the budget)")
+    p.add_argument("--draft-quant", help="specmoe's draft: none (the paper's: resident experts + substitutes) | auto | "
+                   "int8 | int4 (quantized copies of every expert); default: the engine's")
     p.add_argument("--quick", action="store_true", help="a small grid for smoke runs: batch sizes 1,16, 16 tokens, 1 repeat")
     p.add_argument("--json", metavar="FILE", help="write machine, config, records, anchors, ablations as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG: throughput, bytes moved per token, tokens per step vs gamma")
     p.add_argument("--markdown", metavar="FILE", help="write or update this run's section of FILE (e.g. BENCHMARKS.md)")
     p.add_argument("--markdown-section", help="section name in --markdown FILE (default: from tier, bandwidth and --quick)")
-    p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute, comma-separated, or all")
+    p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute | draft-quant, "
+                   "comma-separated, or all")
     p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
     p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
     p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
@@ -77,6 +80,7 @@ class Settings:
     repeats: int
     gamma: int
     draft_experts: int | None
+    draft_quant: str | None
     device: str
     dtype: str
     quick: bool
@@ -163,7 +167,7 @@ def canonical_command(args) -> str:
 
 
 def settings_from_args(args) -> Settings:
-    from ..config import OFFLOAD_TIERS, expert_share, parse_rate, parse_size
+    from ..config import OFFLOAD_TIERS, EngineConfig, expert_share, parse_rate, parse_size
     from ..llm import default_model_dir
     from .ablation import parse_ablations
     from .grid import EXPERT_FRACTION
@@ -205,13 +209,17 @@ def settings_from_args(args) -> Settings:
             raise SpecMoEError("--plot needs matplotlib: pip install 'specmoe[bench]'") from None
         if not str(args.plot).lower().endswith(".png"):
             raise SpecMoEError(f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png")
+    # The engine's own validation, once, so a bad value is one line now, not a skipped row later.
+    EngineConfig.from_kwargs(device=args.device, dtype=args.dtype, offload=args.offload, gamma=gamma,
+                             draft_experts=draft_experts, threads=args.threads,
+                             **({"draft_quant": args.draft_quant} if args.draft_quant is not None else {}))
     model_dir = str(Path(args.model) if args.model else default_model_dir())
     return Settings(
         model_dir=model_dir, prompts_file=str(args.prompts_file or default_prompts_file()), policies=policies,
         batch_sizes=batch_sizes, offload=args.offload, offload_dir=args.offload_dir,
         offload_bandwidth=args.offload_bandwidth, device_memory=device_memory, expert_fraction=fraction,
         max_tokens=max_tokens,
-        repeats=repeats, gamma=gamma, draft_experts=draft_experts, device=args.device, dtype=args.dtype,
+        repeats=repeats, gamma=gamma, draft_experts=draft_experts, draft_quant=args.draft_quant, device=args.device, dtype=args.dtype,
         quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
         command=canonical_command(args), notes=notes,

@@ -72,6 +72,8 @@ class Suite:
             max_batch_size=batch, max_model_len=max_len, gamma=s.gamma, draft_experts=s.draft_experts,
             trace=self._trace(trace), threads=s.threads,
         )
+        if s.draft_quant is not None:
+            opts["draft_quant"] = s.draft_quant
         opts.update(over)
         return opts
 

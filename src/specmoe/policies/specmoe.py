@@ -63,6 +63,9 @@ class SpecMoEPolicy(OffloadPolicy):
             raise SpecMoEError(f"--draft-quant {opts.draft_quant} already gives the draft every expert on the device; "
                                "drop --draft-compute host or use --draft-quant none")
         c = runtime.config
+        if opts.draft_experts and opts.draft_experts >= c.num_experts:
+            raise SpecMoEError(f"--draft-experts {opts.draft_experts} must be below the {c.num_experts} experts per block "
+                               "(drafting with all of them is policy resident)")
         cache = Path(opts.offload_dir) if opts.offload_dir else default_cache_dir()
         self.quantized = None
         self.quantized_bytes = 0
@@ -71,8 +74,6 @@ class SpecMoEPolicy(OffloadPolicy):
         opts = runtime.options
         super().__init__(runtime)
         quant = self.quantized is not None
-        if opts.draft_experts and opts.draft_experts > c.num_experts:
-            raise SpecMoEError(f"--draft-experts {opts.draft_experts} exceeds the {c.num_experts} experts per block")
         if quant:
             # full-precision draft experts where the budget allows: possibly none
             fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.moe_layer_ids)
