@@ -32,3 +32,9 @@ def test_info_json_reports_bytes_and_fit(tiny_ckpt):
     assert info["expert_bytes"] == 3 * 32 * 16 * 4
     assert info["expert_bytes_total"] == 16 * info["expert_bytes"]
     assert info["experts_fit"] >= 0 and "policies_fit" in info
+
+
+def test_info_reports_draft_quantization_error_per_block(tiny_ckpt):
+    info = json.loads(run("info", "--model", tiny_ckpt("mixtral"), "--draft-quant", "int8", "--json"))
+    errors = info["draft_quant_error"]
+    assert len(errors) == 2 and all(0 <= e["mean_rel_l2"] < 0.05 for e in errors.values())

@@ -177,7 +177,7 @@ def cmd_info(args) -> int:
     from .info import model_info, render_info
 
     info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
-                      batch_size=args.batch_size, max_model_len=args.max_model_len)
+                      batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant)
     if args.json:
         print(json.dumps(info))
     else:
@@ -213,6 +213,7 @@ def build_parser() -> Parser:
     i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB")
     i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
     i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
+    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 draft copies")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
 

@@ -11,7 +11,8 @@ from .checkpoint import Checkpoint
 from .config import expert_share, format_bytes, parse_size
 
 
-def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto") -> dict:
+def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
+               draft_quant=None) -> dict:
     from .engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
     from .llm import default_model_dir
 
@@ -43,6 +44,15 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
+    if draft_quant and draft_quant != "none":
+        from .spec.quant import quant_error_report
+
+        # relative L2 error of each block's expert outputs with quantized copies (random inputs)
+        info["draft_quant_error"] = {
+            row["layer"]: {"mean_rel_l2": round(row["mean_rel_l2"], 4), "max_rel_l2": round(row["max_rel_l2"], 4),
+                           "bytes_per_expert": row["bytes_per_expert"]}
+            for row in quant_error_report(ckpt, draft_quant)
+        }
     if device_memory is not None:
         kv = kv_per_token * batch_size * max_len
         share = expert_share(device_memory)
