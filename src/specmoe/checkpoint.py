@@ -79,6 +79,7 @@ class Checkpoint:
             raise SpecMoEError(f"{self.dir} is not a directory; pass --model DIR of a Hugging Face checkpoint")
         self.config = ModelConfig.from_dir(self.dir)
         self._handles: dict[str, object] = {}
+        self._fused_cache: dict[tuple[int, str], torch.Tensor] = {}
         self._file_of = self._read_index()
 
     # --- the index ------------------------------------------------------------------
@@ -203,7 +204,7 @@ class Checkpoint:
     def _fused(self, layer: int, part: str, shape: tuple[int, ...]) -> torch.Tensor:
         # One fused tensor serves every expert of the layer: keep the last one read.
         key = (layer, part)
-        cache = self.__dict__.setdefault("_fused_cache", {})
+        cache = self._fused_cache
         if key not in cache:
             if len(cache) >= 2:
                 cache.clear()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpoint
-from ..config import EngineConfig, expert_share, format_bytes
+from ..config import EngineConfig, expert_share
 from ..errors import SpecMoEError
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
@@ -239,9 +239,6 @@ class Engine:
             self.step()
             if on_step:
                 on_step()
-
-    def describe_budget(self) -> str:
-        return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.budget.by_item.items())
 
     def close(self) -> None:
         if self.tracer:

@@ -154,7 +154,8 @@ class SpecMoEPolicy(OffloadPolicy):
                 queue += [(layer, e) for e, _ in self.predicted[layer].most_common() if not self.transfer.has((layer, e))]
             self.prefetch_queue = queue
             self._issue([], [])
-            self.hotness.reset() if self.runtime.options.draft_set == "temporal-hot" else None
+            if self.runtime.options.draft_set == "temporal-hot":
+                self.hotness.reset()  # the next draft set comes from this pass alone
 
     def end_draft(self) -> None:
         """Drafting must not have moved any expert bytes."""
