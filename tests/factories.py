@@ -356,3 +356,26 @@ def tensor_shapes(path) -> dict[str, tuple[int, ...]]:
 
 def read_config(path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+# --- helpers for tests of the engine ---------------------------------------------------------
+
+
+def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
+    """Device budget: non-expert bytes + KV for `batch` x `max_len` + `fraction` of all expert bytes."""
+    e = llm.engine
+    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
+    return int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + fraction * experts)
+
+
+def watch_draft_fetches(policy) -> list:
+    """Record every expert fetch the policy issues while drafting (there must be none)."""
+    fetched, original = [], policy.transfer.fetch
+
+    def watched(key):
+        if policy.kind == "draft":
+            fetched.append(key)
+        return original(key)
+
+    policy.transfer.fetch = watched
+    return fetched

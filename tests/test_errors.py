@@ -127,3 +127,11 @@ def test_bad_device_memory_size(tiny_ckpt, ids_file):
 
 def test_unknown_subcommand():
     assert_one_line_error(specmoe("frobnicate"), "invalid choice")
+
+
+def test_budget_too_small_for_the_policy_names_the_smallest_that_works(tiny_ckpt, ids_file):
+    assert_one_line_error(
+        specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, "--policy", "caching",
+                "--offload", "host", "--device-memory", "60KiB", "--max-model-len", "32", "--batch-size", "1"),
+        "raise --device-memory to at least",
+    )

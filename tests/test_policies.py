@@ -4,20 +4,11 @@ the device budget respected, and clear errors for budgets and names that cannot 
 import pytest
 import torch
 
-from factories import random_prompts
+from factories import expert_share_budget, random_prompts
 from specmoe import LLM, SamplingParams, SpecMoEError
 
 POLICIES = ["ondemand", "overlap", "caching", "host"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def budget_for(llm_resident, fraction, batch, max_len):
-    """non-expert bytes + KV for the batch + `fraction` of all expert bytes."""
-    info = llm_resident.engine
-    nonexpert = info.model.weights.nbytes
-    kv = info.cache.bytes_per_token() * batch * max_len
-    experts = info.policy.runtime.expert_bytes * len(info.policy.runtime.expert_keys)
-    return int(nonexpert + kv + fraction * experts)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +17,7 @@ def setup(tiny_ckpt):
     prompts = random_prompts(8, 128, 3, 10, seed=3)
     ref = LLM(model=str(path), device="cpu", max_batch_size=8, max_model_len=64)
     ref.generate(prompts, PARAMS)
-    return path, prompts, ref.last_stats, budget_for(ref, 0.5, 8, 64)
+    return path, prompts, ref.last_stats, expert_share_budget(ref, 0.5, 8, 64)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])

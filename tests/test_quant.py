@@ -5,7 +5,7 @@ byte in the budget."""
 import pytest
 import torch
 
-from factories import random_prompts
+from factories import expert_share_budget, random_prompts, watch_draft_fetches
 from specmoe import LLM, SamplingParams
 from specmoe.checkpoint import Checkpoint
 from specmoe.model.moe import run_expert
@@ -114,19 +114,13 @@ def test_error_report_has_one_row_per_moe_block(tiny_ckpt):
 # --- SpecMoE with quantized draft experts ---------------------------------------------------------
 
 
-def budget_for(llm, fraction, batch, max_len):
-    e = llm.engine
-    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
-    return int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + fraction * experts)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
     path = tiny_ckpt("mixtral")
     prompts = random_prompts(6, 128, 3, 10, seed=5)
     ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
     ref.generate(prompts, GREEDY)
-    budgets = {f: budget_for(ref, f, 6, 48) for f in (0.5,)}
+    budgets = {f: expert_share_budget(ref, f, 6, 48) for f in (0.5,)}
     ref.close()
     return path, prompts, ref.last_stats["token_ids_sha256"], budgets
 
@@ -197,16 +191,7 @@ def test_int4_leaves_room_for_full_precision_draft_experts_too(reference, tmp_pa
 def test_quantized_draft_moves_no_expert_bytes(reference, tmp_path):
     path, prompts, _, budgets = reference
     llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant="int4", gamma=4)
-    policy = llm.engine.policy
-    fetched_while_drafting = []
-    original = policy.transfer.fetch
-
-    def watched(key):
-        if policy.kind == "draft":
-            fetched_while_drafting.append(key)
-        return original(key)
-
-    policy.transfer.fetch = watched
+    fetched_while_drafting = watch_draft_fetches(llm.engine.policy)
     llm.generate(prompts, GREEDY)
     assert fetched_while_drafting == []
     assert llm.last_stats["draft_transfer_bytes"] == 0

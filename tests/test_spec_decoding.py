@@ -4,17 +4,11 @@ and speculative sampling that keeps the target's distribution exactly."""
 import pytest
 import torch
 
-from factories import random_prompts
+from factories import expert_share_budget, random_prompts, watch_draft_fetches
 from specmoe import LLM, SamplingParams, SpecMoEError
 from specmoe.spec.verify import accept_greedy, accept_sampled
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def half_budget(llm, batch, max_len):
-    e = llm.engine
-    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
-    return int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + 0.5 * experts)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +17,7 @@ def reference(tiny_ckpt):
     prompts = random_prompts(8, 128, 3, 10, seed=11)
     ref = LLM(model=str(path), device="cpu", max_batch_size=8, max_model_len=64)
     outs = ref.generate(prompts, GREEDY)
-    return path, prompts, ref.last_stats["token_ids_sha256"], half_budget(ref, 8, 64), outs
+    return path, prompts, ref.last_stats["token_ids_sha256"], expert_share_budget(ref, 0.5, 8, 64), outs
 
 
 def spec_llm(path, budget, tmp_path, **kw):
@@ -82,16 +76,7 @@ def test_drafting_on_the_host_keeps_the_exact_router_and_output(reference, tmp_p
 def test_draft_steps_move_zero_expert_bytes(reference, tmp_path):
     path, prompts, _, budget, _ = reference
     llm = spec_llm(path, budget, tmp_path, gamma=4)
-    policy = llm.engine.policy
-    draft_fetches = []
-    original = policy.transfer.fetch
-
-    def watched_fetch(key):
-        if policy.kind == "draft":
-            draft_fetches.append(key)
-        return original(key)
-
-    policy.transfer.fetch = watched_fetch
+    draft_fetches = watch_draft_fetches(llm.engine.policy)
     llm.generate(prompts, GREEDY)
     assert llm.last_stats["acceptance_rate"] is not None
     assert draft_fetches == []

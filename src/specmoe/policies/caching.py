@@ -31,9 +31,13 @@ class CachingPolicy(OffloadPolicy):
             self.hot: list[tuple[int, int]] | None = None
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.hot is None:  # still profiling: count the router's picks
-            self.profile[layer] += torch.bincount(routing.ids.reshape(-1).cpu(), minlength=self.config.num_experts)
+        self.count_picks(layer, routing)
         return super().run_moe(layer, x, routing)
+
+    def count_picks(self, layer: int, routing: Routing) -> None:
+        """While profiling (before the hot set is chosen), count the router's picks."""
+        if self.hot is None:
+            self.profile[layer] += torch.bincount(routing.ids.reshape(-1).cpu(), minlength=self.config.num_experts)
 
     def begin_pass(self, kind: str) -> None:
         super().begin_pass(kind)

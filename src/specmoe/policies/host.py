@@ -23,8 +23,7 @@ class HostPolicy(CachingPolicy):
         return self.min_slots(self.config, self.runtime.options)  # the hot set; the rest runs on the host
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if self.hot is None:
-            self.profile[layer] += torch.bincount(routing.ids.reshape(-1).cpu(), minlength=self.config.num_experts)
+        self.count_picks(layer, routing)
         groups = group_by_expert(routing, self.config.num_experts)
         resident = {e for e in groups.experts if (layer, e) in self.pool.table}
         return self.run_block(layer, x, groups, on_host=set(groups.experts) - resident)

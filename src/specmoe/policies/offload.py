@@ -93,8 +93,9 @@ class OffloadPolicy(Policy):
         self.uses += len(keys)
         present = [j for j, k in enumerate(keys) if self.transfer.has(k)]
         self.hits += len(present)
-        host = [j for j, k in enumerate(keys) if k[1] in on_host and j not in set(present)]
-        missing = [j for j in range(len(keys)) if j not in set(present) | set(host)]
+        resident = set(present)
+        host = [j for j, k in enumerate(keys) if k[1] in on_host and j not in resident]
+        missing = [j for j, k in enumerate(keys) if j not in resident and k[1] not in on_host]
         for j in present:
             table.pin(keys[j])
         queue = list(missing)
