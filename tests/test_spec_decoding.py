@@ -174,3 +174,37 @@ def test_as_many_draft_experts_as_the_block_has_is_refused(reference, tmp_path):
     path, _, _, budget, _ = reference
     with pytest.raises(SpecMoEError, match="must be below the 8 experts per block"):
         spec_llm(path, budget, tmp_path, draft_experts=8)
+
+
+@pytest.mark.parametrize("draft_quant", ["none", "int8"])
+def test_a_verify_pass_fetches_each_expert_at_most_once(reference, tmp_path, draft_quant):
+    """Prefetches queued for a block that is already running would land after its experts
+    ran and be fetched again: every fetch of a verify pass (before the draft-set refresh)
+    must be a different expert."""
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path, gamma=4, draft_quant=draft_quant)
+    policy = llm.engine.policy
+    per_pass, original_fetch, original_begin = [], policy.transfer.fetch, policy.begin_pass
+    original_end = policy.end_verify
+
+    def begin(kind):
+        per_pass.append((kind, []))
+        return original_begin(kind)
+
+    def fetch(key):
+        started = original_fetch(key)
+        if started and per_pass:
+            per_pass[-1][1].append(key)
+        return started
+
+    def end_verify():
+        per_pass.append(("refresh", []))
+        return original_end()
+
+    policy.begin_pass, policy.transfer.fetch, policy.end_verify = begin, fetch, end_verify
+    llm.generate(prompts, GREEDY)
+    verify = [keys for kind, keys in per_pass if kind == "verify"]
+    assert verify and all(keys for keys in verify)
+    assert all(len(keys) == len(set(keys)) for keys in verify)
+    assert llm.last_stats["token_ids_sha256"] == sha
+    llm.close()

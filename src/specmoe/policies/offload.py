@@ -90,6 +90,9 @@ class OffloadPolicy(Policy):
         """Compute the block's experts; experts in `on_host` run on the host from the store."""
         keys = [(layer, e) for e in groups.experts]
         table = self.pool.table
+        # this block fetches what it lacks itself; a queued prefetch for it would land
+        # after its expert ran and be evicted unused (or evict a later block's prefetch)
+        self.prefetch_queue = [k for k in self.prefetch_queue if k[0] > layer]
         self.uses += len(keys)
         present = [j for j, k in enumerate(keys) if self.transfer.has(k)]
         self.hits += len(present)
