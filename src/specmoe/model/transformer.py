@@ -161,15 +161,16 @@ class MoETransformer:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         keys, values = cache.write_and_read(i, batch, k, v)  # [B, G, L, d]
-        B, n = len(batch.slots), batch.max_new
+        B, n, r = len(batch.slots), batch.max_new, H // G
         q_pad = q.new_zeros(B * n, H, d)
         q_pad[batch.padded_index] = q
-        q_pad = q_pad.view(B, n, H, d).transpose(1, 2)  # [B, H, n, d]
-        if G != H:  # grouped-query attention: query head j reads kv head j // (H / G)
-            keys = keys.repeat_interleave(H // G, dim=1)
-            values = values.repeat_interleave(H // G, dim=1)
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=batch.mask)  # [B, H, n, d]
-        out = out.transpose(1, 2).reshape(B * n, H * d)[batch.padded_index]
+        # Grouped-query attention: query head j reads kv head j // r. The r query heads of
+        # a kv head become r x n query rows of that head, so K and V are read where they
+        # are (copying them r times would cost more than the attention at large batches).
+        q_grouped = q_pad.view(B, n, G, r, d).permute(0, 2, 3, 1, 4).reshape(B, G, r * n, d)
+        mask = batch.mask if r == 1 else batch.mask.repeat(1, 1, r, 1)  # [B, 1, r * n, L]
+        out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask)  # [B, G, r * n, d]
+        out = out.view(B, G, r, n, d).permute(0, 3, 1, 2, 4).reshape(B * n, H * d)[batch.padded_index]
         return F.linear(out, lw.o, lw.o_bias)
 
     def mlp(self, i, lw: LayerWeights, x, experts: ExpertBackend) -> torch.Tensor:
