@@ -23,9 +23,15 @@ def test_closed_form_distinct_matches_monte_carlo(E, k, B, L, skew, loc):
     assert closed == pytest.approx(mc, rel=0.03, abs=0.1)
 
 
-def test_uniform_routing_is_the_textbook_formula():
+def test_uniform_routing_is_exact_for_top_k_without_replacement():
+    # each position picks k distinct experts: expert e is missed with probability 1 - k/E
     E, k, P = 128, 2, 256
-    assert RoutingModel(0.0, 0.0).expected_distinct(E, k, P) == pytest.approx(E * (1 - (1 - 1 / E) ** (k * P)))
+    assert RoutingModel(0.0, 0.0).expected_distinct(E, k, P) == pytest.approx(E * (1 - (1 - k / E) ** P))
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.0, 2.0])
+def test_one_position_touches_exactly_k_experts(skew):
+    assert RoutingModel(skew, 0.3).expected_distinct(16, 2, 1) == pytest.approx(2.0)
 
 
 def test_distinct_grows_with_positions_and_saturates_at_E():

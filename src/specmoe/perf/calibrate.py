@@ -43,6 +43,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--name", default="local", help="profile name (default: local)")
     p.add_argument("--size", default="256MiB", help="disk test file size (default: 256MiB)")
     p.add_argument("--json", action="store_true", help="print the profile and measurements as JSON")
+    p.add_argument("--no-engine-probe", action="store_true",
+                   help="skip timing the engine on the bundled demo model (CPU-only machines; the profile then "
+                        "holds raw matmul and memory rates, which overstate what a small model attains)")
     p.set_defaults(func=run_calibrate)
     return p
 
@@ -120,10 +123,52 @@ def measure_disk(directory: Path, size: int) -> dict:
             for c in chunks:
                 results[c] = size / _read_dropped(path, size, c)
         latency = _disk_latency(path, size, method == "O_DIRECT")
+        overlap = _read_overlap(path, size, method == "O_DIRECT")
     best = max(results, key=results.get)
     return {"disk_read_bw": results[best], "disk_method": method, "disk_best_chunk": best,
             "disk_read_bw_by_chunk": {str(c): bw for c, bw in results.items()}, "disk_latency_s": latency,
-            "disk_file_bytes": size, "disk_dir": str(directory)}
+            "disk_read_overlap": overlap, "disk_file_bytes": size, "disk_dir": str(directory)}
+
+
+def _read_overlap(path: Path, size: int, direct: bool, chunk: int = 512 << 10, reads: int = 48) -> float:
+    """Rate of expert-sized reads while this CPU computes (small matmuls in a loop, like
+    a decode pass) over their rate alone: the share of the disk the engine keeps while
+    it computes, at most 1."""
+    import threading
+
+    import torch
+
+    def read_all() -> float:
+        buf = mmap.mmap(-1, chunk)
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            step = max(chunk, size // reads // chunk * chunk)
+            t = time.perf_counter()
+            for i in range(reads):
+                if not direct:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.preadv(fd, [buf], (i * step) % (size - chunk + 1) // 4096 * 4096)
+            return time.perf_counter() - t
+        finally:
+            os.close(fd)
+            buf.close()
+
+    alone = min(read_all() for _ in range(2))
+    stop = threading.Event()
+    x, w = torch.randn(4, 256), torch.randn(256, 256)
+
+    def compute():
+        while not stop.is_set():
+            torch.nn.functional.linear(x, w).mul_(0.5)
+
+    worker = threading.Thread(target=compute, daemon=True)
+    worker.start()
+    try:
+        busy = min(read_all() for _ in range(2))
+    finally:
+        stop.set()
+        worker.join()
+    return max(0.05, min(1.0, alone / busy))
 
 
 def _disk_latency(path: Path, size: int, direct: bool, reads: int = 16) -> float:
@@ -248,7 +293,7 @@ def build_profile(name: str, m: dict, cuda: bool) -> HardwareProfile:
         device_matmul_flops=host_flops, device_mem_bw=m["host_mem_bw"], device_memory_bytes=_total_ram(),
         h2d_bw=m["host_copy_bw"], slow_tier="disk", slow_tier_read_bw=m["disk_read_bw"],
         transfer_latency_s=max(m["disk_latency_s"], 1e-7), kernel_launch_s=max(m["host_op_overhead_s"], 1e-8),
-        **common)
+        transfer_overlap=m.get("disk_read_overlap", 1.0), **common)
 
 
 def disk_variant(profile: HardwareProfile, m: dict) -> HardwareProfile:
@@ -258,7 +303,23 @@ def disk_variant(profile: HardwareProfile, m: dict) -> HardwareProfile:
                    description=profile.description.replace("experts in host DRAM", "experts on disk"))
 
 
-def calibrate(name: str, directory: Path, size: int) -> tuple[HardwareProfile, dict]:
+def with_engine_terms(profile: HardwareProfile, m: dict) -> HardwareProfile:
+    """The CPU profile with the engine probe's fitted rates and overheads (perf/probe.py):
+    what the engine attains, not what a large matmul does; a fetch costs what the engine
+    measured, of which the read at the disk's rate is the bandwidth part."""
+    if "engine_kernel_launch_s" not in m:
+        return profile
+    fitted = {k: m[f"engine_{k}"] for k in ("device_matmul_flops", "device_mem_bw", "kernel_launch_s",
+                                             "sequence_overhead_s")}
+    if "engine_fetch_s" in m:
+        read = m["engine_fetch_expert_bytes"] / profile.fetch_bw
+        fitted["transfer_latency_s"] = max(m["engine_fetch_s"] - read, profile.transfer_latency_s)
+    return replace(profile, **fitted)
+
+
+def calibrate(name: str, directory: Path, size: int, engine: bool = True) -> tuple[HardwareProfile, dict]:
+    """Measure and build the profile. CPU-only machines also run the engine probe on the
+    bundled demo model (a few seconds) unless `engine` is False."""
     import torch
 
     m = measure_disk(directory, size)
@@ -267,7 +328,13 @@ def calibrate(name: str, directory: Path, size: int) -> tuple[HardwareProfile, d
     cuda = torch.cuda.is_available()
     if cuda:
         m.update(measure_cuda(torch))
-    return build_profile(name, m, cuda), m
+    profile = build_profile(name, m, cuda)
+    if engine and not cuda:
+        from .probe import calibrate_engine
+
+        m.update(calibrate_engine(profile))
+        profile = with_engine_terms(profile, m)
+    return profile, m
 
 
 def run_calibrate(args) -> int:
@@ -277,7 +344,7 @@ def run_calibrate(args) -> int:
             raise CalibrateError(f"bad --name {args.name!r}: choose a name that is not a built-in profile "
                                  f"({', '.join(builtin_profile_names())}) and has no '/'")
         directory = Path(args.dir) if args.dir else cache_dir() / "calibrate"
-        profile, m = calibrate(args.name, directory, size)
+        profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe)
         path = save_profile(profile, m)
         extra = save_profile(disk_variant(profile, m), m) if profile.slow_tier == "host" else None
     except (ValueError, OSError) as e:
@@ -294,6 +361,12 @@ def run_calibrate(args) -> int:
             print(f"{m['cuda_device']}: host->device pinned {format_bytes(m['h2d_pinned_bw'])}/s, pageable "
                   f"{format_bytes(m['h2d_pageable_bw'])}/s, matmul bf16 {m['gpu_matmul_flops_bf16'] / 1e12:.0f} "
                   f"TFLOP/s, memory {format_bytes(m['gpu_mem_bw'])}/s")
+        if "engine_kernel_launch_s" in m:
+            print(f"engine on the demo model: {m['engine_kernel_launch_s'] * 1e6:.1f} us per operator, "
+                  f"{m['engine_sequence_overhead_s'] * 1e6:.0f} us per sequence, matmul "
+                  f"{m['engine_device_matmul_flops'] / 1e9:.0f} GFLOP/s attained; fit error "
+                  f"{m['engine_fit_rms_rel_error']:.0%} rms over {m['engine_fit_passes']} passes"
+                  + (f"; an expert fetch costs {m['engine_fetch_s'] * 1e3:.2f} ms" if "engine_fetch_s" in m else ""))
         print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
         if extra:
             print(f"saved profile {profile.name}-disk (experts on this disk) to {extra}")

@@ -4,9 +4,11 @@ rules. One engine step = what produces the next token(s) for all B sequences.
 Building blocks (M = MoE layers, U = distinct experts one layer needs in a pass):
 
 - compute of a pass: every operator is timed by its roofline, max(FLOPs / matmul rate,
-  bytes read from device memory / device bandwidth), plus a launch overhead per kernel.
-  Summing per operator (not over the whole pass) is what makes small batches memory
-  bound and large ones compute bound.
+  bytes read from device memory / device bandwidth), plus a fixed cost per operator the
+  engine dispatches (``kernel_launch_s``; the counts below are the engine's own), plus
+  the engine's host work per sequence (sampling, scheduling). Summing per
+  operator (not over the whole pass) is what makes small batches memory bound and large
+  ones compute bound; the fixed costs are what dominate a small model on a CPU.
 - fetching n experts: n * (expert bytes / fetch bandwidth + per-transfer latency).
 - routing: U from :class:`~specmoe.perf.routing.RoutingModel` (skew, locality).
 
@@ -24,7 +26,14 @@ from .hardware import HardwareProfile
 from .routing import RoutingModel, acceptance_at, tokens_per_step
 from .shapes import ModelShape
 
-LAUNCHES_PER_EXPERT = 4  # gather, gate/up matmul, down matmul, scatter-add: one small loop per expert
+# Operators the engine dispatches, counted on its decode passes (tests/test_perf_ops.py
+# keeps these in step with the code).
+PASS_OPS = 15  # embedding, rotary lookup, final norm, LM head
+ATTENTION_OPS = 64  # per layer: both norms, q/k/v/o, rotary, KV cache write and read, attention, residuals
+DENSE_FFN_OPS = 8  # per dense layer: SwiGLU
+ROUTER_OPS = 16  # per MoE layer: router, softmax, top-k, grouping positions by expert
+LAUNCHES_PER_EXPERT = 14  # per expert run: gather its positions, gate/up, SiLU, product, down, weighted scatter-add
+DEQUANT_OPS = 8  # per quantized (draft) expert run: dequantize both matrices
 DEFAULT_CONTEXT = 512
 DEFAULT_CACHE_FRACTION = 0.1  # the paper's caching baseline: 10 % of each block's experts
 DEFAULT_PREDICTION_ACCURACY = 0.8  # overlap: fraction of a token's next-layer picks predicted right
@@ -78,6 +87,7 @@ class StepEstimate:
     draft_experts: int | None = None
     acceptance: float | None = None
     cache_fraction: float | None = None
+    draft_quant: str | None = None
     note: str = ""
 
     def to_dict(self) -> dict:
@@ -91,22 +101,33 @@ class _Work:
     time_s: float = 0.0
     flops: float = 0.0
     bytes: float = 0.0
+    launches: float = 0.0
+    host_s: float = 0.0
 
     def add(self, hw: HardwareProfile, flops: float, nbytes: float, launches: float) -> None:
         self.time_s += max(flops / hw.device_matmul_flops, nbytes / hw.device_mem_bw) + launches * hw.kernel_launch_s
         self.flops += flops
         self.bytes += nbytes
+        self.launches += launches
+
+    def add_host(self, seconds: float) -> None:
+        """Engine work on the host that is neither FLOPs nor bytes (no roofline share)."""
+        self.time_s += seconds
+        self.host_s += seconds
 
     def bound_s(self, hw: HardwareProfile) -> float:
         """Roofline of the whole pass: perfect fusion, no launch overhead."""
         return max(self.flops / hw.device_matmul_flops, self.bytes / hw.device_mem_bw)
 
 
-def pass_work(sc: Scenario, batch: int, per_sequence: int, experts_touched: float, routed: bool = True) -> _Work:
+def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: float, routed: bool = True,
+              quant_bits: int | None = None) -> _Work:
     """Device compute of one forward pass over batch x per_sequence positions.
 
     experts_touched: distinct routed experts per MoE layer whose weights the pass reads
-    from device memory; routed=False leaves routed experts out (host policy)."""
+    from device memory; routed=False leaves routed experts out (host policy). quant_bits:
+    the experts are quantized copies, dequantized per run (read the codes, write and
+    read the full-precision matrix)."""
     s, hw = sc.shape, sc.hardware
     P = batch * per_sequence
     bpp = s.bytes_per_param
@@ -117,16 +138,20 @@ def pass_work(sc: Scenario, batch: int, per_sequence: int, experts_touched: floa
         # per pass (its positions share it) and writes K/V for its new positions.
         flops = 2 * P * s.attention_params + 4 * P * s.num_heads * s.head_dim * (sc.context_len + per_sequence)
         nbytes = s.attention_params * bpp + batch * sc.context_len * kv_layer + P * kv_layer
-        w.add(hw, flops, nbytes, 8)
+        w.add(hw, flops, nbytes, ATTENTION_OPS)
     for _ in range(s.num_dense_layers):
-        w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, 4)
+        w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
+    expert_bytes, expert_ops = s.expert_bytes, LAUNCHES_PER_EXPERT
+    if quant_bits:
+        expert_bytes = s.expert_bytes * (2 + quant_bits / (8 * bpp))
+        expert_ops += DEQUANT_OPS
     for _ in range(s.num_moe_layers):
         small = s.router_params + s.shared_expert_params  # router + shared expert: every position
-        w.add(hw, 2 * P * small, small * bpp, 4)
+        w.add(hw, 2 * P * small, small * bpp, ROUTER_OPS)
         if routed:
-            w.add(hw, 2 * P * s.top_k * s.expert_params, experts_touched * s.expert_bytes,
-                  LAUNCHES_PER_EXPERT * experts_touched)
-    w.add(hw, 2 * P * s.hidden * s.vocab, s.hidden * s.vocab * bpp, 2)  # LM head on every position
+            w.add(hw, 2 * P * s.top_k * s.expert_params, experts_touched * expert_bytes, expert_ops * experts_touched)
+    w.add(hw, 2 * P * s.hidden * s.vocab, s.hidden * s.vocab * bpp, PASS_OPS)  # LM head on every position
+    w.add_host(batch * hw.sequence_overhead_s)
     return w
 
 
@@ -177,9 +202,12 @@ def ondemand(sc: Scenario, batch: int) -> StepEstimate:
 
 
 def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str = "overlap") -> StepEstimate:
-    """Prefetch the next MoE layer's predicted experts while the current layer group computes.
+    """Prefetch the next MoE layer's predicted experts once the current layer is done.
 
-    Per MoE layer: max(G, fetch(U)) + fetch(missed), G = compute between two MoE layers.
+    The prediction needs the layer's output, so a prefetch overlaps the next layer's
+    non-expert compute A (attention, router), during which the link runs at
+    ``transfer_overlap`` of its rate (h); the experts' own compute X follows.
+    Per MoE layer: A + max(0, fetch(U) - h A) + X + fetch(missed)  (h = 1: max(A, fetch(U)) + ...).
     Prediction: each pick is right with probability r (``accuracy``); an expert needed by
     m picks is missed only if all m are mispredicted, so recall = 1 - (1 - r)^(B k / U).
     The predicted set has about U experts, (1 - recall) U of them wrong: those bytes are
@@ -190,8 +218,11 @@ def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str
     w = pass_work(sc, batch, 1, u)
     recall = 1.0 - (1.0 - r) ** (batch * s.top_k / max(u, 1e-9))
     missed = (1.0 - recall) * u
-    group = w.time_s / s.num_moe_layers
-    step = s.num_moe_layers * (max(group, sc.fetch_s(u)) + sc.fetch_s(missed))
+    window = pass_work(sc, batch, 1, 0, routed=False).time_s
+    experts = w.time_s - window
+    a = window / s.num_moe_layers
+    per_layer = a + max(0.0, sc.fetch_s(u) - sc.hardware.transfer_overlap * a) + sc.fetch_s(missed)
+    step = s.num_moe_layers * per_layer + experts
     nbytes = s.num_moe_layers * (u + missed) * s.expert_bytes
     return _estimate(sc, policy, batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(u + missed),
                      _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0, 2 * u),  # double-buffered slots
@@ -210,20 +241,30 @@ def cached_per_layer(num_experts: int, fraction: float) -> int:
     return min(num_experts, max(1, round(fraction * num_experts)))
 
 
-def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION) -> StepEstimate:
+def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION,
+            lru_slots: int = 0) -> StepEstimate:
     """The hottest `fraction` of each block's experts stay resident; misses are fetched on
-    demand as in ondemand: step = compute + M * fetch(U without the cached ones)."""
+    demand as in ondemand: step = compute + M * fetch(misses).
+
+    `lru_slots`: the rest of the pool as an LRU over all blocks (the engine's caching).
+    A step visits the blocks in order, so the LRU keeps the previous step's experts only
+    when all of them fit; then a miss is an expert the previous step did not use
+    (temporal reuse from the routing model: distinct over 2 positions minus over 1);
+    otherwise the scan evicts each expert before its next use and the LRU adds nothing."""
     s = sc.shape
     c = cached_per_layer(s.num_experts, fraction)
     u = sc.distinct(batch)
     miss = sc.distinct(batch, 1, exclude_hottest=c)
+    if lru_slots and lru_slots >= s.num_moe_layers * miss:
+        miss = max(0.0, sc.distinct(batch, 2, exclude_hottest=c) - miss)
     w = pass_work(sc, batch, 1, u)
     xfer = s.num_moe_layers * sc.fetch_s(miss)
     nbytes = s.num_moe_layers * miss * s.expert_bytes
     hit = 1.0 - miss / u if u else 1.0
+    lru = f" + {lru_slots} LRU slots" if lru_slots else ""
     return _estimate(sc, "caching", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer, _roofline(sc, nbytes, w),
-                     _device_bytes(sc, batch, 1, c * s.num_moe_layers, miss), cache_fraction=fraction,
-                     note=f"{c}/{s.num_experts} cached, hit {hit:.2f}")
+                     _device_bytes(sc, batch, 1, c * s.num_moe_layers + lru_slots, 0 if lru_slots else miss),
+                     cache_fraction=fraction, note=f"{c}/{s.num_experts} cached{lru}, hit {hit:.2f}")
 
 
 def host(sc: Scenario, batch: int) -> StepEstimate:
@@ -262,29 +303,45 @@ def host(sc: Scenario, batch: int) -> StepEstimate:
                      note=f"{float((p_touch * ~use_dev).sum()):.1f}/layer on host, {fetched:.1f} fetched")
 
 
+QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}
+
+
 def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance: float,
-            acceptance_draft_experts: int | None = None) -> StepEstimate:
+            acceptance_draft_experts: int | None = None, draft_quant: str = "none") -> StepEstimate:
     """Self-assisted speculative decoding (DESIGN §2), one cycle:
 
-    - draft: gamma passes over B positions using only the N resident draft experts per
-      block: compute only, reading at most min(N, B k) experts per layer;
+    - draft: gamma passes over B positions with no transfers. The paper's draft
+      (``draft_quant="none"``) uses only the N resident draft experts per block, reading
+      at most min(N, B k) experts per layer; a quantized draft (int8/int4/int3 copies of
+      every expert on the device, the engine's default) routes exactly and dequantizes
+      each expert it runs;
     - verify: one pass over B (gamma + 1) positions (gamma + 1 consecutive per sequence,
       so temporal locality applies), fetching the union minus the draft set (the N
       hottest, resident) once for the pass, serial with compute as in ondemand;
     - refresh: the new draft set was just fetched: free.
 
     Tokens per step (per sequence) = (1 - a^(γ+1)) / (1 - a). `acceptance` is per token at
-    `acceptance_draft_experts` (default: N) draft experts; other N are scaled by
-    :func:`~specmoe.perf.routing.acceptance_at`."""
+    `acceptance_draft_experts` (default: N) draft experts; for the paper's draft other N
+    are scaled by :func:`~specmoe.perf.routing.acceptance_at` (a quantized draft does not
+    depend on N)."""
     s = sc.shape
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
-    if not 1 <= draft_experts < s.num_experts:
-        raise ValueError(f"draft experts must be in 1..{s.num_experts - 1} for {s.name}, got {draft_experts}")
+    if draft_quant != "none" and draft_quant not in QUANT_BITS:
+        raise ValueError(f"draft_quant must be none or one of {', '.join(QUANT_BITS)}, got {draft_quant!r}")
+    bits = QUANT_BITS.get(draft_quant)
+    lowest = 0 if bits else 1
+    if not lowest <= draft_experts < s.num_experts:
+        raise ValueError(f"draft experts must be in {lowest}..{s.num_experts - 1} for {s.name}, got {draft_experts}")
     n_ref = acceptance_draft_experts or draft_experts
-    a = acceptance_at(acceptance, n_ref, draft_experts, s.num_experts, sc.routing)
+    a = acceptance if bits else acceptance_at(acceptance, n_ref, draft_experts, s.num_experts, sc.routing)
     tokens = tokens_per_step(a, gamma)
-    draft = pass_work(sc, batch, 1, min(draft_experts, batch * s.top_k))
+    if bits:
+        draft = pass_work(sc, batch, 1, sc.distinct(batch), quant_bits=bits)
+        copies = s.num_moe_layers * s.num_experts * s.expert_params * bits / 8 * 1.03  # + group scales
+    else:
+        draft = pass_work(sc, batch, 1, min(draft_experts, batch * s.top_k))
+        copies = 0.0
     L = gamma + 1
     u = sc.distinct(batch, L)
     fetch = sc.distinct(batch, L, exclude_hottest=draft_experts)
@@ -293,10 +350,11 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
     compute = gamma * draft.time_s + verify.time_s
     nbytes = s.num_moe_layers * fetch * s.expert_bytes
     roof = max(nbytes / sc.hardware.fetch_bw, gamma * draft.bound_s(sc.hardware) + verify.bound_s(sc.hardware))
+    label = f"γ={gamma} N={draft_experts}" + (f" {draft_quant} draft" if bits else "")
     return _estimate(sc, "specmoe", batch, compute + xfer, tokens, nbytes, compute, xfer, roof,
-                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers, fetch),
-                     gamma=gamma, draft_experts=draft_experts, acceptance=a,
-                     note=f"γ={gamma} N={draft_experts} a={a:.2f}; draft {gamma * draft.time_s * 1e3:.3g} ms, "
+                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers, fetch) + copies,
+                     gamma=gamma, draft_experts=draft_experts, acceptance=a, draft_quant=draft_quant,
+                     note=f"{label} a={a:.2f}; draft {gamma * draft.time_s * 1e3:.3g} ms, "
                           f"verify {verify.time_s * 1e3:.3g}+{xfer * 1e3:.3g} ms")
 
 

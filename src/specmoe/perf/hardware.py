@@ -20,6 +20,8 @@ _BUILTIN_FILE = Path(__file__).with_name("hardware.json")
 SLOW_TIERS = ("host", "disk")
 # Keys a profile file may carry besides the dataclass fields (kept, not interpreted).
 _METADATA_KEYS = {"name", "measurements", "_comment"}
+_MAY_BE_ZERO = {"sequence_overhead_s"}
+_OPTIONAL = {"h2d_pageable_bw", "transfer_overlap"} | _MAY_BE_ZERO
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,16 @@ class HardwareProfile:
     host_mem_bw: float  # host DRAM bandwidth (STREAM-like)
     host_matmul_flops: float  # host CPU dense matmul (bf16 where the CPU has it)
     transfer_latency_s: float  # fixed cost per expert transfer (one request)
-    kernel_launch_s: float  # fixed cost per kernel / operator launch
+    kernel_launch_s: float  # fixed cost per kernel / operator the engine dispatches
     h2d_pageable_bw: float | None = None  # host -> device from pageable memory, if known
+    # Host-side engine work per sequence in a pass that is not an operator: sampling,
+    # scheduling, bookkeeping. Measured by `specmoe calibrate`; 0 in the built-in profiles
+    # (unknown there, and small next to a big model's transfers).
+    sequence_overhead_s: float = 0.0
+    # Share of the slow tier's rate left while the device computes: 1 where copies run on
+    # their own engines (PCIe DMA); below 1 where the CPU that computes also moves the
+    # bytes (experts read from disk on a CPU-only machine). Measured by `specmoe calibrate`.
+    transfer_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -53,6 +63,10 @@ class HardwareProfile:
             v = getattr(self, f.name)
             if v is None and f.name == "h2d_pageable_bw":
                 continue
+            if f.name in _MAY_BE_ZERO and isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
+                continue
+            if f.name == "transfer_overlap" and isinstance(v, (int, float)) and not 0 < v <= 1:
+                raise ValueError(f"hardware profile {self.name}: transfer_overlap must be in (0, 1], got {v!r}")
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ValueError(f"hardware profile {self.name}: {f.name} must be a positive number, got {v!r}")
 
@@ -116,7 +130,7 @@ def profile_from_dict(d: dict, name: str | None = None) -> HardwareProfile:
         )
     values = {k: v for k, v in d.items() if k in known}
     values["name"] = name or d.get("name") or ""
-    missing = sorted(known - set(values) - {"h2d_pageable_bw"})
+    missing = sorted(known - set(values) - _OPTIONAL)
     if missing:
         raise ValueError(f"hardware profile {values['name'] or '?'}: missing key {missing[0]!r}")
     if isinstance(values.get("device_memory_bytes"), float):

@@ -7,20 +7,23 @@ Synthetic routing model (used when no trace exists), per MoE layer:
   q_i ∝ ((i + 1/2) / E) ** -skew. Rank is normalised by E, so the same skew describes a
   16-expert demo model and a 128-expert model alike: that is how a demo-model trace
   scales to a big model ("scale by E"). skew = 0 is uniform routing.
-- *Picks.* Each position makes k independent draws from q. (Real top-k draws without
-  replacement; with k * max(q) small the difference is a few percent of distinct counts.)
+- *Picks.* Each position picks k distinct experts (top-k draws without replacement).
+  Closed form: it misses expert e with probability m_e = (1 - q_e)^k', k' >= k chosen so
+  that the position touches exactly k experts in expectation (sum of 1 - m_e = k); for
+  uniform routing that is the exact k/E. (k' = k would be k draws with replacement:
+  at batch 1 of a top-2 model about 11 % too few experts.)
 - *Temporal locality.* A pass covers B sequences with L consecutive positions each
   (decode: L = 1; verify: L = gamma + 1). Position j > 0 of a sequence repeats the picks
   of position j - 1 with probability `locality`, else draws afresh.
 
-Closed form. Expert e is missed by a first position with probability (1 - q_e)^k and by
-a later position with probability λ + (1 - λ)(1 - q_e)^k (a repeat misses e exactly when
-its predecessor did, which is already accounted for), so
+Closed form. Expert e is missed by a first position with probability m_e and by a later
+position with probability λ + (1 - λ) m_e (a repeat misses e exactly when its
+predecessor did, which is already accounted for), so
 
-    P(e touched) = 1 - (1 - q_e)^(k B) * (λ + (1 - λ)(1 - q_e)^k)^(B (L - 1))
+    P(e touched) = 1 - m_e^B * (λ + (1 - λ) m_e)^(B (L - 1))
 
 and the expected number of distinct experts is the sum over e. With λ = 0 this is the
-textbook E-term sum  Σ_e 1 - (1 - q_e)^(k P)  for P = B L independent positions.
+E-term sum  Σ_e 1 - m_e^P  for P = B L independent positions.
 
 Acceptance: with per-token acceptance a and gamma drafts, accepted drafts are a truncated
 geometric and tokens per step (accepted + the target's own token) are
@@ -39,6 +42,10 @@ DEFAULT_SKEW = 1.0
 DEFAULT_LOCALITY = 0.2
 DEFAULT_ACCEPTANCE = 0.7  # per-token acceptance at DEFAULT_DRAFT_EXPERTS when nothing better is known
 DEFAULT_DRAFT_EXPERTS = 4
+# Per-token acceptance of quantized drafts (copies of every expert, exact routing) when
+# nothing better is known: measured on the demo model (BENCHMARKS.md, quantized drafts:
+# int8 0.998, int4 0.900; int3 agreement 0.93), rounded down.
+DEFAULT_QUANT_ACCEPTANCE = {"int8": 0.99, "int4": 0.9, "int3": 0.8}
 # How per-token rejection (1 - a) scales with the routing mass the draft set does not
 # cover: miss ∝ uncovered ** COVERAGE_BETA. Derived once from the SpecMoE paper's draft-set
 # ablation (NLLB-MoE, γ=10, N=4: temporal-hot 7.265 vs random 6.812 tokens/step, i.e.
@@ -64,10 +71,23 @@ class RoutingModel:
         w = r ** -self.skew
         return w / w.sum()
 
+    def position_miss(self, num_experts: int, top_k: int) -> np.ndarray:
+        """P(one position does not pick expert e): (1 - q_e)^k' with sum(1 - .) = k."""
+        q = self.hotness(num_experts)
+        k = min(top_k, num_experts)
+        if k >= num_experts:
+            return np.zeros_like(q)
+        lo, hi = float(k), float(k)
+        while (1.0 - (1.0 - q) ** hi).sum() < k:
+            hi *= 2.0
+        for _ in range(50):  # bisection on k'
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if (1.0 - (1.0 - q) ** mid).sum() < k else (lo, mid)
+        return (1.0 - q) ** hi
+
     def touched(self, num_experts: int, top_k: int, batch: int, per_sequence: int = 1) -> np.ndarray:
         """P(expert touched) in one layer for a pass over batch x per_sequence positions."""
-        q = self.hotness(num_experts)
-        miss_first = (1.0 - q) ** top_k
+        miss_first = self.position_miss(num_experts, top_k)
         miss_later = self.locality + (1.0 - self.locality) * miss_first
         with np.errstate(divide="ignore"):  # q = 1 (a single expert): log 0 = -inf, touched = 1
             log_miss = batch * np.log(miss_first)
@@ -96,8 +116,8 @@ def monte_carlo_distinct(model: RoutingModel, num_experts: int, top_k: int, batc
         # Fresh draw groups per sequence: the first position, plus each later position
         # that does not repeat its predecessor. Repeats add no new experts.
         fresh = batch + rng.binomial(batch * (per_sequence - 1), 1.0 - model.locality) if per_sequence > 1 else batch
-        picks = rng.choice(num_experts, size=fresh * top_k, p=q)
-        total += np.unique(picks).size
+        picks = [rng.choice(num_experts, size=top_k, replace=False, p=q) for _ in range(fresh)]
+        total += np.unique(np.concatenate(picks)).size
     return total / trials
 
 

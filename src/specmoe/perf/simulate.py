@@ -50,6 +50,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--acceptance", type=float, default=None, metavar="A",
                    help=f"per-token draft acceptance at --draft-experts (default: the trace's, else "
                         f"{DEFAULT_ACCEPTANCE})")
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4", "int3"),
+                   help="specmoe's draft: none = the paper's (N resident experts, default), or quantized copies "
+                        "of every expert (the engine's default); --acceptance then applies to that draft")
     p.add_argument("--tokens-per-step", type=float, default=None, metavar="T",
                    help="alternative to --acceptance: measured tokens per step at --gamma")
     p.add_argument("--cache-fraction", type=float, default=None, metavar="F",
@@ -143,15 +146,17 @@ def build(args) -> tuple[dict, list[str], list[dict]]:
         n_ref = est.draft_experts or n
     else:
         acceptance, a_src = DEFAULT_ACCEPTANCE, "assumed (no trace)"
-    assumptions.append(f"specmoe: gamma={args.gamma}, N={n}, acceptance {acceptance:.3f} per token at N={n_ref} "
-                       f"({a_src})")
+    draft = "the paper's draft" if args.draft_quant == "none" else f"{args.draft_quant} copies of every expert"
+    assumptions.append(f"specmoe: gamma={args.gamma}, N={n}, {draft}, acceptance {acceptance:.3f} per token at "
+                       f"N={n_ref} ({a_src})")
     assumptions.append(f"context {args.context_len} cached positions per sequence; overlap predicts "
                        f"{args.prediction_accuracy:.0%} of picks; caching keeps {cache_fraction:.0%} of each block")
 
     sc = Scenario(shape, hw, routing, args.context_len, device_memory, args.prediction_accuracy)
     config = {
         "model_shape": shape.name, "hardware": hw.name, "batch_sizes": sizes, "gamma": args.gamma,
-        "draft_experts": n, "acceptance": acceptance, "acceptance_draft_experts": n_ref, "acceptance_source": a_src,
+        "draft_experts": n, "draft_quant": args.draft_quant, "acceptance": acceptance,
+        "acceptance_draft_experts": n_ref, "acceptance_source": a_src,
         "skew": skew, "locality": locality, "context_len": args.context_len, "cache_fraction": cache_fraction,
         "prediction_accuracy": args.prediction_accuracy, "device_memory": sc.memory, "trace": args.trace,
         "expert_bytes": shape.expert_bytes, "expert_bytes_total": shape.expert_bytes_total,
@@ -163,7 +168,8 @@ def build(args) -> tuple[dict, list[str], list[dict]]:
         rows: dict[str, StepEstimate] = {}
         for policy in POLICY_ROWS:
             if policy == "specmoe":
-                rows[policy] = cost_model.specmoe(sc, b, args.gamma, n, acceptance, acceptance_draft_experts=n_ref)
+                rows[policy] = cost_model.specmoe(sc, b, args.gamma, n, acceptance, acceptance_draft_experts=n_ref,
+                                                  draft_quant=args.draft_quant)
             elif policy == "caching":
                 rows[policy] = cost_model.caching(sc, b, cache_fraction)
             else:

@@ -57,22 +57,21 @@ def choose(runtime):
 
     opts = runtime.options
     shape = shape_from_config(runtime.checkpoint.dir)
-    shape = replace(shape, bytes_per_param=runtime.expert_bytes // runtime.config.expert_params)
+    shape = replace(shape, bytes_per_param=runtime.expert_bytes / runtime.config.expert_params)
     hardware = machine_profile(opts.offload, opts.offload_bandwidth)
     candidates = ("ondemand", "overlap", "caching", "specmoe") + (("host",) if opts.offload == "host" else ())
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
     try:
         chosen = plan(shape, hardware, opts.max_batch_size, device_memory=_plan_memory(runtime, memory),
-                      context_len=runtime.max_model_len, policies=candidates)
+                      context_len=runtime.max_model_len, policies=candidates,
+                      cache_fraction=_pool_share(runtime, memory))
     except ValueError as exc:
         raise SpecMoEError(f"policy auto: {exc}") from None
     overrides = {"policy": chosen.policy}
     if chosen.policy == "specmoe":
-        # gamma from the plan (then tuned online); the draft's experts are specmoe's own
-        # choice from the budget (quantized copies where they fit), which the model does not cover
-        overrides.update(gamma=chosen.gamma)
-    if chosen.policy == "caching" and chosen.cache_fraction:
-        overrides.update(cache_fraction=chosen.cache_fraction)
+        # gamma (then tuned online) and the kind of draft from the plan; how many
+        # full-precision draft experts fit beside it is specmoe's own choice from the budget
+        overrides.update(gamma=chosen.gamma, draft_quant=chosen.draft_quant or "auto")
     return chosen.policy, replace(opts, **overrides), chosen
 
 
@@ -81,3 +80,13 @@ def _plan_memory(runtime, available):
     if available is None:
         return None
     return int(available + runtime.budget.used)
+
+
+def _pool_share(runtime, available) -> float:
+    """The share of all experts the caching policy keeps on the device: its pinned hot
+    set plus an LRU over the rest of the pool, about as good as the pool's size in
+    hottest experts."""
+    total = len(runtime.expert_keys)
+    if available is None:
+        return 1.0
+    return min(1.0, available // runtime.expert_bytes / total)

@@ -26,6 +26,7 @@ class OverlapPolicy(OffloadPolicy):
         super().reset_stats()
         self.predicted = 0
         self.predicted_used = 0
+        self.needed = 0  # distinct experts the predicted blocks needed
         self._prediction: dict[int, set[int]] = {}
 
     def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
@@ -41,8 +42,11 @@ class OverlapPolicy(OffloadPolicy):
             self.transfer.fetch((nxt, e))
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        predicted = self._prediction.pop(layer, set())
-        self.predicted_used += len(predicted & set(routing.ids.unique().tolist()))
+        predicted = self._prediction.pop(layer, None)
+        if predicted is not None:
+            needed = set(routing.ids.unique().tolist())
+            self.predicted_used += len(predicted & needed)
+            self.needed += len(needed)
         return super().run_moe(layer, x, routing)
 
     def _next_moe_layer(self, layer: int) -> int | None:
@@ -52,4 +56,5 @@ class OverlapPolicy(OffloadPolicy):
     def stats(self) -> dict:
         s = super().stats()
         s["prefetch_precision"] = self.predicted_used / self.predicted if self.predicted else None
+        s["prefetch_recall"] = self.predicted_used / self.needed if self.needed else None
         return s

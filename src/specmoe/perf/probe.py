@@ -1,0 +1,198 @@
+"""Time the engine's own passes and fit the profile's engine terms (part of `calibrate`).
+
+A matmul benchmark says what the hardware can do; a small MoE model on an eager engine
+spends most of a pass elsewhere: the dispatcher and Python around each operator, and
+host work per pass and per sequence (sampling, scheduling). So calibration runs the
+bundled demo model through the engine, traces every pass, and fits the cost model's
+terms to what it measured:
+
+- with every expert resident (decode at several batch sizes, and their prefills):
+  effective matmul rate and memory bandwidth, the cost per operator
+  (``kernel_launch_s``) and per sequence (``sequence_overhead_s``), by least squares
+  on relative error;
+- with ``ondemand`` on the disk tier: what one expert fetch costs the engine beyond
+  the read itself (``transfer_latency_s`` then holds it next to the disk's own latency).
+
+The fit uses the cost model's own :func:`~specmoe.perf.cost_model.pass_work`, so the
+same terms project a calibrated machine to other models.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .cost_model import Scenario, pass_work
+from .hardware import HardwareProfile
+from .shapes import ModelShape
+
+# (policy, batch size, prompt length): resident runs at several batch sizes and two
+# context lengths (so that memory traffic and per-operator costs can be told apart),
+# ondemand runs on the disk tier for the cost of a fetch
+PROBE_RUNS = (("resident", 1, 32), ("resident", 4, 32), ("resident", 16, 32), ("resident", 48, 32),
+              ("resident", 16, 192), ("resident", 64, 128), ("ondemand", 1, 32), ("ondemand", 16, 32))
+PROBE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class PassSample:
+    """One traced pass: its shape, what it touched and how long it took."""
+
+    policy: str
+    kind: str
+    batch: int
+    per_sequence: float  # positions per sequence
+    context: int  # cached positions per sequence before the pass
+    experts: float  # distinct experts per MoE layer
+    fetched: int  # experts fetched during the pass
+    wall_s: float  # the pass, plus (decode) the engine's work around it in the step
+
+
+def _prompts(batch: int, length: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 1000 + 3 for j in range(length)] for i in range(batch)]
+
+
+def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch: int, length: int, warm_up: bool):
+    """(trace records, engine seconds per decode step outside the traced passes)."""
+    from ..engine.sampling import SamplingParams
+    from ..llm import LLM
+    from .trace import read_trace
+
+    trace = workdir / f"{policy}-{batch}-{length}.jsonl"
+    # the disk tier's expert file where the engine keeps it (the cache dir), not a fresh
+    # one: a file just written may still sit in a cache below the guest, reading faster
+    opts = dict(policy=policy, device="cpu", threads=threads, max_batch_size=batch, offload="disk",
+                max_model_len=length + PROBE_TOKENS + 1)
+    params = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0, ignore_eos=True)
+    if warm_up:  # first-touch allocations, page faults, the disk tier's file: not measured
+        warm = LLM(model_dir, **opts)
+        try:
+            warm.generate(_prompts(batch, length), params)
+        finally:
+            warm.close()
+    llm = LLM(model_dir, trace=str(trace), **opts)
+    try:
+        llm.generate(_prompts(batch, length), params)
+        stats = llm.last_stats
+    finally:
+        llm.close()
+    _, records = read_trace(trace)
+    decode = [r.timings["wall_s"] for r in records if r.kind == "decode" and "wall_s" in r.timings]
+    outside = stats["decode_s"] / stats["steps"] - statistics.mean(decode) if decode and stats["steps"] else 0.0
+    return records, max(0.0, outside)
+
+
+def run_probe(model_dir: Path, threads: int | None, workdir: Path) -> tuple[ModelShape, list[PassSample]]:
+    """Trace the PROBE_RUNS on `model_dir`; one sample per pass."""
+    import torch
+
+    from ..checkpoint import Checkpoint
+    from ..engine.engine import resolve_dtype
+    from .shapes import shape_from_config
+
+    dtype = resolve_dtype("auto", Checkpoint(model_dir), torch.device("cpu"))
+    shape = replace(shape_from_config(model_dir), bytes_per_param=dtype.itemsize)
+    samples: list[PassSample] = []
+    seen = set()
+    for policy, batch, length in PROBE_RUNS:
+        records, outside = _run(model_dir, threads, workdir, policy, batch, length, warm_up=policy not in seen)
+        seen.add(policy)
+        decode_step = 0
+        for r in records:
+            if not r.layers or "wall_s" not in r.timings:
+                continue
+            prefill = r.kind == "prefill"
+            samples.append(PassSample(
+                policy=policy, kind=r.kind, batch=r.batch_size, per_sequence=r.positions / r.batch_size,
+                context=0 if prefill else length + decode_step,
+                experts=sum(lr.distinct for lr in r.layers) / len(r.layers),
+                fetched=sum(len(lr.fetched) for lr in r.layers),
+                wall_s=r.timings["wall_s"] + (0.0 if prefill else outside)))
+            decode_step += 0 if prefill else 1
+    return shape, samples
+
+
+def _features(shape: ModelShape, hw: HardwareProfile, s: PassSample) -> tuple[float, float]:
+    """(roofline seconds, operator count) of a sample's pass under `hw`'s rates."""
+    sc = Scenario(shape, hw, context_len=s.context)
+    w = pass_work(sc, s.batch, s.per_sequence, s.experts)
+    return w.time_s - w.launches * hw.kernel_launch_s - w.host_s, w.launches
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (drop negative ones and refit: 3 unknowns)."""
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[active] = sol
+            return x
+        active = [i for i, v in zip(active, sol) if v > 0]
+    return x
+
+
+def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSample]) -> dict:
+    """Rates and overheads that make the cost model's pass times match resident passes.
+
+    A grid over the matmul rate and the memory bandwidth (up to the measured ones x 1.5);
+    for each, the per-operator and per-sequence costs solve a non-negative least-squares
+    problem on relative error (a per-pass constant would trade off against the operators:
+    every pass runs about as many). The long-context run is what separates
+    memory traffic (K/V reads) from per-operator costs."""
+    resident = [s for s in samples if s.policy == "resident"]
+    if len(resident) < 4:
+        raise ValueError("engine probe: too few resident passes traced to fit the compute model")
+    t = np.array([s.wall_s for s in resident])
+    batch = np.array([s.batch for s in resident], dtype=float)
+    best = None
+    for flops in np.geomspace(base.device_matmul_flops / 30, base.device_matmul_flops * 1.5, 30):
+        for bw in np.geomspace(base.device_mem_bw / 30, base.device_mem_bw * 1.5, 24):
+            hw = replace(base, device_matmul_flops=float(flops), device_mem_bw=float(bw), kernel_launch_s=1e-6,
+                         sequence_overhead_s=0.0)
+            feats = np.array([_features(shape, hw, s) for s in resident])
+            roof, ops = feats[:, 0], feats[:, 1]
+            a = np.stack([ops, batch], axis=1) / t[:, None]
+            coef = _nonnegative_lstsq(a, 1.0 - roof / t)
+            rel = (roof + a @ coef * t) / t - 1.0
+            err = float(np.sqrt(np.mean(rel ** 2)))
+            if best is None or err < best[0]:
+                best = (err, float(flops), float(bw), coef, rel)
+    err, flops, bw, coef, rel = best
+    return {"device_matmul_flops": flops, "device_mem_bw": bw, "kernel_launch_s": max(float(coef[0]), 1e-8),
+            "sequence_overhead_s": float(coef[1]),
+            "fit_rms_rel_error": err, "fit_max_rel_error": float(np.abs(rel).max()), "fit_passes": len(resident)}
+
+
+def fit_fetch(shape: ModelShape, hw: HardwareProfile, samples: list[PassSample]) -> float | None:
+    """Seconds one expert fetch adds to an ondemand pass (extra time over all passes /
+    all fetches), or None."""
+    extra = fetched = 0.0
+    for s in samples:
+        if s.policy != "ondemand" or s.fetched == 0:
+            continue
+        compute = pass_work(Scenario(shape, hw, context_len=s.context), s.batch, s.per_sequence, s.experts).time_s
+        extra, fetched = extra + s.wall_s - compute, fetched + s.fetched
+    return max(extra, 0.0) / fetched if fetched else None
+
+
+def calibrate_engine(base: HardwareProfile, threads: int | None = None, model_dir: Path | None = None) -> dict:
+    """Run the probe on the demo model (or `model_dir`) and fit; measurements for the profile."""
+    from ..llm import default_model_dir
+
+    with tempfile.TemporaryDirectory(prefix="specmoe-probe-") as tmp:
+        shape, samples = run_probe(Path(model_dir) if model_dir else default_model_dir(), threads, Path(tmp))
+    fit = fit_compute(shape, base, samples)
+    fitted = replace(base, **{k: fit[k] for k in ("device_matmul_flops", "device_mem_bw", "kernel_launch_s",
+                                                   "sequence_overhead_s")})
+    fetch = fit_fetch(shape, fitted, samples)
+    out = {f"engine_{k}": v for k, v in fit.items()}
+    out["engine_model"] = shape.name
+    if fetch is not None:
+        out["engine_fetch_s"] = fetch
+        out["engine_fetch_expert_bytes"] = shape.expert_bytes
+    return out
