@@ -14,6 +14,7 @@ from .engine.engine import Engine
 from .engine.sampling import SamplingParams
 from .engine.stats import RunCounters, summarize
 from .errors import SpecMoEError
+from .spec import history
 
 DEMO_MODEL_DIR = Path(__file__).parent / "data" / "demo"
 
@@ -83,7 +84,16 @@ class LLM:
             seqs=seqs, counters=engine.counters, wall_s=time.perf_counter() - start,
             policy_stats=engine.policy.run_stats(), device_peak_bytes=engine.budget.peak,
         )
+        self._remember_acceptance()
         return [RequestOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason) for s in seqs]
+
+    def _remember_acceptance(self) -> None:
+        """Keep the draft's measured acceptance for `--policy auto`'s next plan (spec/history.py)."""
+        policy, counters = self.engine.policy, self.engine.counters
+        acceptance = self.last_stats.get("acceptance_per_token")
+        if policy.speculative and acceptance is not None:
+            key = history.draft_key(policy.draft_quant, policy.draft_experts)
+            history.record(self.engine.checkpoint.fingerprint(), key, acceptance, counters.drafted)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

@@ -6,6 +6,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from ..spec.history import per_token_acceptance
+
 
 def token_ids_sha256(outputs: list[list[int]]) -> str:
     """SHA-256 of the generated token ids, request by request, in order."""
@@ -21,6 +23,7 @@ class RunCounters:
     decode_tokens: int = 0  # tokens produced by decode steps
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
+    rejected: int = 0  # sequence-steps that rejected a draft token (stopped before the last)
     agreed: int = 0  # draft tokens equal to the target's argmax at their position (greedy)
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -63,6 +66,7 @@ def summarize(
         "steps": counters.steps,
         "tokens_per_step": counters.decode_tokens / counters.seq_steps if counters.seq_steps else 0.0,
         "acceptance_rate": counters.accepted / counters.drafted if counters.drafted else None,
+        "acceptance_per_token": per_token_acceptance(counters.accepted, counters.rejected) if counters.drafted else None,
         "draft_target_agreement": counters.agreed / counters.drafted if counters.drafted else None,
         "draft_s": counters.draft_s,
         "verify_s": counters.verify_s,

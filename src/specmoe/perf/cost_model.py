@@ -18,6 +18,7 @@ Building blocks (M = MoE layers, U = distinct experts one layer needs in a pass)
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -235,10 +236,11 @@ def oracle_overlap(sc: Scenario, batch: int) -> StepEstimate:
 
 
 def cached_per_layer(num_experts: int, fraction: float) -> int:
-    """Experts kept resident per block for a cache fraction (at least one when > 0)."""
+    """Experts kept resident per block for a cache fraction (at least one when > 0;
+    rounded up, as the engine's caching policy does)."""
     if fraction <= 0:
         return 0
-    return min(num_experts, max(1, round(fraction * num_experts)))
+    return min(num_experts, max(1, math.ceil(fraction * num_experts - 1e-9)))
 
 
 def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION,

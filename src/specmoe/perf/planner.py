@@ -61,7 +61,8 @@ def draft_expert_choices(num_experts: int, draft_quant: str = "none") -> list[in
 
 def candidates(sc: Scenario, batch_size: int, acceptance: float, acceptance_draft_experts: int,
                cache_fraction: float = DEFAULT_CACHE_FRACTION, policies=AUTO_POLICIES,
-               quant_acceptance: dict[str, float] | None = None) -> list[Plan]:
+               quant_acceptance: dict[str, float] | None = None, draft_quants=DRAFT_QUANTS,
+               cache_lru_slots: int = 0) -> list[Plan]:
     """Every (policy, parameters) the planner considers, fitting in memory or not.
 
     SpecMoE is considered with each draft the engine has: quantized copies of every
@@ -71,7 +72,7 @@ def candidates(sc: Scenario, batch_size: int, acceptance: float, acceptance_draf
     out = []
     for policy in policies:
         if policy == "specmoe":
-            for quant in DRAFT_QUANTS:
+            for quant in draft_quants:
                 a = acceptance if quant == "none" else quant_acceptance[quant]
                 for n in draft_expert_choices(sc.shape.num_experts, quant):
                     for g in GAMMAS:
@@ -80,7 +81,7 @@ def candidates(sc: Scenario, batch_size: int, acceptance: float, acceptance_draf
                         out.append(Plan("specmoe", g, n, None, e, draft_quant=quant))
         elif policy == "caching":
             out.append(Plan("caching", None, None, cache_fraction,
-                            estimate("caching", sc, batch_size, fraction=cache_fraction)))
+                            estimate("caching", sc, batch_size, fraction=cache_fraction, lru_slots=cache_lru_slots)))
         else:
             out.append(Plan(policy, None, None, None, estimate(policy, sc, batch_size)))
     return out
@@ -90,7 +91,8 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
          acceptance_draft_experts: int = DEFAULT_DRAFT_EXPERTS, routing: RoutingModel | None = None,
          context_len: int = DEFAULT_CONTEXT, cache_fraction: float = DEFAULT_CACHE_FRACTION,
          device_memory: int | None = None, prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY,
-         policies=AUTO_POLICIES, quant_acceptance: dict[str, float] | None = None) -> Plan:
+         policies=AUTO_POLICIES, quant_acceptance: dict[str, float] | None = None,
+         draft_quants=DRAFT_QUANTS, cache_lru_slots: int = 0) -> Plan:
     """The fastest fitting (policy, gamma, N) for this batch, by predicted decode tokens/s.
 
     acceptance: per-token acceptance of the paper's draft, measured (or assumed) with
@@ -102,7 +104,8 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
         raise ValueError(f"auto cannot choose policy {unknown[0]!r}: use some of {', '.join(AUTO_POLICIES)}")
     sc = Scenario(shape, hardware, routing or RoutingModel(), context_len, device_memory, prediction_accuracy)
     a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
-    every = candidates(sc, batch_size, a, acceptance_draft_experts, cache_fraction, policies, quant_acceptance)
+    every = candidates(sc, batch_size, a, acceptance_draft_experts, cache_fraction, policies, quant_acceptance,
+                       draft_quants, cache_lru_slots)
     fitting = [c for c in every if c.estimate.fits]
     if not fitting:
         need = min(c.estimate.device_bytes for c in every)

@@ -61,10 +61,11 @@ def choose(runtime):
     hardware = machine_profile(opts.offload, opts.offload_bandwidth)
     candidates = ("ondemand", "overlap", "caching", "specmoe") + (("host",) if opts.offload == "host" else ())
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
+    drafts = _draft_knowledge(runtime)
     try:
         chosen = plan(shape, hardware, opts.max_batch_size, device_memory=_plan_memory(runtime, memory),
                       context_len=runtime.max_model_len, policies=candidates,
-                      cache_fraction=_pool_share(runtime, memory))
+                      cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory), **drafts)
     except ValueError as exc:
         raise SpecMoEError(f"policy auto: {exc}") from None
     overrides = {"policy": chosen.policy}
@@ -75,6 +76,22 @@ def choose(runtime):
     return chosen.policy, replace(opts, **overrides), chosen
 
 
+def _draft_knowledge(runtime) -> dict:
+    """What the planner may assume about each draft: quantized drafts with their
+    measured acceptance (else the priors); the paper's draft only once a run has
+    measured it on this model (its acceptance ranges from 10 % to 90 % across models)."""
+    from ..spec import history
+
+    seen = history.measured(runtime.checkpoint.fingerprint())
+    quant = {k: v for k, v in seen.items() if not k.startswith("none@")}
+    paper = sorted((int(k.split("@")[1]), v) for k, v in seen.items() if k.startswith("none@"))
+    if not paper:
+        return {"quant_acceptance": quant, "draft_quants": ("int8", "int4")}
+    n, a = paper[-1]
+    return {"quant_acceptance": quant, "draft_quants": ("int8", "int4", "none"), "acceptance": a,
+            "acceptance_draft_experts": n}
+
+
 def _plan_memory(runtime, available):
     """The planner budgets whole-model bytes: give it what the engine's ledger would allow."""
     if available is None:
@@ -82,11 +99,11 @@ def _plan_memory(runtime, available):
     return int(available + runtime.budget.used)
 
 
-def _pool_share(runtime, available) -> float:
-    """The share of all experts the caching policy keeps on the device: its pinned hot
-    set plus an LRU over the rest of the pool, about as good as the pool's size in
-    hottest experts."""
+def _lru_slots(runtime, available) -> int:
+    """Pool slots the caching policy would run as an LRU beside its pinned hot set."""
+    from .caching import CachingPolicy
+
     total = len(runtime.expert_keys)
-    if available is None:
-        return 1.0
-    return min(1.0, available // runtime.expert_bytes / total)
+    slots = total if available is None else min(total, available // runtime.expert_bytes)
+    hot = CachingPolicy.hot_per_block(runtime.config, runtime.options.cache_fraction) * len(runtime.config.moe_layer_ids)
+    return max(0, slots - hot)

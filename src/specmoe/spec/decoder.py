@@ -56,6 +56,7 @@ class SpeculativeDecoder:
             cache.truncate(seq.slot, start + accepted + 1)
             counters.drafted += len(draft)
             counters.accepted += accepted
+            counters.rejected += accepted < len(draft)
             accepted_lengths.append(accepted)
             for token in draft[:accepted] + [nxt]:
                 produced += 1
@@ -67,9 +68,8 @@ class SpeculativeDecoder:
         counters.draft_s += t1 - t0
         counters.verify_s += t2 - t1
         if self.tuner and max(lengths, default=0):
-            self.policy.gamma = self.tuner.update(
-                sum(accepted_lengths), sum(lengths), (t1 - t0) / max(lengths), t2 - t1
-            )
+            rejected = sum(a < n for a, n in zip(accepted_lengths, lengths))
+            self.policy.gamma = self.tuner.update(sum(accepted_lengths), rejected, (t1 - t0) / max(lengths), t2 - t1)
         return produced
 
     def _draft(self, seqs, lengths):
@@ -101,7 +101,9 @@ class GammaTuner:
 
     With per-token acceptance a, a step of gamma drafts yields (1 - a^(gamma+1)) / (1 - a)
     tokens and costs gamma * t_draft + t_verify (verification is transfer-bound, so its
-    time hardly grows with gamma). Estimates are exponential moving averages.
+    time hardly grows with gamma). a is estimated as accepted / (accepted + rejected)
+    (accepted/drafted would count the drafts after a rejection as failures and pull
+    gamma down); estimates are exponential moving averages.
     """
 
     def __init__(self, gamma: int, max_gamma: int = 10, smoothing: float = 0.3):
@@ -111,8 +113,9 @@ class GammaTuner:
     def _ema(self, old, new):
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def update(self, accepted: int, drafted: int, t_draft: float, t_verify: float) -> int:
-        self.acceptance = self._ema(self.acceptance, accepted / drafted)
+    def update(self, accepted: int, rejected: int, t_draft: float, t_verify: float) -> int:
+        """accepted: draft tokens accepted in the step; rejected: sequences that rejected one."""
+        self.acceptance = self._ema(self.acceptance, accepted / (accepted + rejected) if accepted + rejected else 1.0)
         self.t_draft = self._ema(self.t_draft, t_draft)
         self.t_verify = self._ema(self.t_verify, t_verify)
         a = min(self.acceptance, 0.99)
