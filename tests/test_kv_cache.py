@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specmoe import LLM
+from specmoe.model.kv_cache import KVCache
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -57,3 +58,14 @@ def test_sequences_in_one_batch_do_not_see_each_other(llm):
 def test_cache_refuses_more_positions_than_the_context(llm):
     with pytest.raises(Exception, match="context"):
         llm.engine.cache.reserve(10_000)
+
+
+def test_freed_slots_are_reused_lowest_first():
+    """A new batch gets the lowest free slots, so after a batch ends the next one is again
+    a contiguous run of slots (attention then reads the cache in place)."""
+    cache = KVCache(1, 4, 1, 2, 16, torch.float32, torch.device("cpu"))
+    slots = [cache.allocate() for _ in range(4)]
+    assert slots == [0, 1, 2, 3]
+    for s in (0, 2, 1, 3):
+        cache.free(s)
+    assert [cache.allocate() for _ in range(4)] == [0, 1, 2, 3]

@@ -152,7 +152,9 @@ class Engine:
             self._prefill(admitted)
             self.counters.prefill_s += time.perf_counter() - t0
         else:
-            running = [s for s in self.scheduler.running if not s.finished]
+            # in slot order: slots are handed out lowest first, so a batch is usually a
+            # contiguous run of slots and attention reads the KV cache in place
+            running = sorted((s for s in self.scheduler.running if not s.finished), key=lambda s: s.slot)
             if running:
                 t0 = time.perf_counter()
                 produced = self._decoder.step(running) if self._decoder else self._decode(running)

@@ -8,6 +8,8 @@ the new length are simply overwritten later. Lengths are plain Python bookkeepin
 
 from __future__ import annotations
 
+import heapq
+
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +90,7 @@ class KVCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
         self._grow(min(initial_capacity, max_len))
 
     # --- slots: plain bookkeeping -------------------------------------------------------
@@ -96,13 +98,13 @@ class KVCache:
     def allocate(self) -> int:
         if not self._free:
             raise RuntimeError("no free KV slot: the scheduler admitted more sequences than slots")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     @property
     def free_slots(self) -> int:
