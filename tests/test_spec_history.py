@@ -57,8 +57,25 @@ def test_auto_plans_the_papers_draft_only_once_measured(tiny_ckpt):
     from specmoe.policies.auto import _draft_knowledge
 
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
-    runtime = SimpleNamespace(checkpoint=ckpt)
-    assert "none" not in _draft_knowledge(runtime)["draft_quants"]
+    c = ckpt.config
+    runtime = SimpleNamespace(checkpoint=ckpt, config=c, budget=SimpleNamespace(limit=None),
+                              expert_keys=[(0, e) for e in range(c.num_experts)], expert_bytes=4 * c.expert_params)
+    assert _draft_knowledge(runtime)["draft_quants"] == ("int8",)
     history.record(ckpt.fingerprint(), "none@2", 0.6, 100)
     known = _draft_knowledge(runtime)
-    assert "none" in known["draft_quants"] and (known["acceptance"], known["acceptance_draft_experts"]) == (0.6, 2)
+    assert known["draft_quants"] == ("int8", "none") and (known["acceptance"], known["acceptance_draft_experts"]) == (0.6, 2)
+
+
+def test_gamma_tuner_weighs_verification_compute_growing_with_gamma():
+    from specmoe.spec.decoder import GammaTuner
+
+    # transfer-bound verification (a large fixed part): long drafts pay
+    tuner = GammaTuner(gamma=5)
+    for _ in range(5):
+        g = tuner.update(accepted=29, rejected=1, t_draft=0.01, t_verify=1.0 + (tuner.gamma + 1) * 0.01)
+    assert g >= 8
+    # compute-bound verification (each verified position costs a draft pass): short drafts
+    tuner = GammaTuner(gamma=5)
+    for _ in range(5):
+        g = tuner.update(accepted=29, rejected=1, t_draft=0.05, t_verify=0.02 + (tuner.gamma + 1) * 0.05)
+    assert g <= 2

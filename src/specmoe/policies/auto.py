@@ -85,11 +85,29 @@ def _draft_knowledge(runtime) -> dict:
     seen = history.measured(runtime.checkpoint.fingerprint())
     quant = {k: v for k, v in seen.items() if not k.startswith("none@")}
     paper = sorted((int(k.split("@")[1]), v) for k, v in seen.items() if k.startswith("none@"))
+    quantized = (_quantized_draft(runtime),) if _quantized_draft(runtime) else ()
     if not paper:
-        return {"quant_acceptance": quant, "draft_quants": ("int8", "int4")}
+        return {"quant_acceptance": quant, "draft_quants": quantized}
     n, a = paper[-1]
-    return {"quant_acceptance": quant, "draft_quants": ("int8", "int4", "none"), "acceptance": a,
+    return {"quant_acceptance": quant, "draft_quants": quantized + ("none",), "acceptance": a,
             "acceptance_draft_experts": n}
+
+
+def _quantized_draft(runtime) -> str | None:
+    """The quantized draft specmoe's `--draft-quant auto` would take in this budget (the
+    most precise that fits beside two working slots), or None. The planner plans that
+    one rather than choosing between bit widths itself: which dequantizes faster is a
+    kernel detail the cost model does not know."""
+    from ..spec.quant import expert_nbytes
+    from .specmoe import WORKING_SLOTS
+
+    c, budget = runtime.config, runtime.budget
+    free = budget.available() if budget.limit is not None else None
+    for mode in ("int8", "int4"):
+        need = expert_nbytes(c.hidden_size, c.expert_intermediate_size, mode) * len(runtime.expert_keys)
+        if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
+            return mode
+    return None
 
 
 def _plan_memory(runtime, available):

@@ -100,15 +100,18 @@ class GammaTuner:
     """Picks gamma to maximise expected tokens per second of a speculative step.
 
     With per-token acceptance a, a step of gamma drafts yields (1 - a^(gamma+1)) / (1 - a)
-    tokens and costs gamma * t_draft + t_verify (verification is transfer-bound, so its
-    time hardly grows with gamma). a is estimated as accepted / (accepted + rejected)
-    (accepted/drafted would count the drafts after a rejection as failures and pull
-    gamma down); estimates are exponential moving averages.
+    tokens and costs gamma * t_draft + t_verify(gamma). Verification moves the same
+    experts whatever gamma is, but computes gamma + 1 positions per sequence; each extra
+    one costs about what a draft pass does (same B positions), so
+    t_verify(g) = fixed + (g + 1) t_draft, the fixed part measured at the gamma used.
+    a is estimated as accepted / (accepted + rejected) (accepted/drafted would count the
+    drafts after a rejection as failures and pull gamma down); estimates are
+    exponential moving averages.
     """
 
     def __init__(self, gamma: int, max_gamma: int = 10, smoothing: float = 0.3):
         self.gamma, self.max_gamma, self.smoothing = gamma, max_gamma, smoothing
-        self.acceptance = self.t_draft = self.t_verify = None
+        self.acceptance = self.t_draft = self.t_fixed = None
 
     def _ema(self, old, new):
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -117,11 +120,11 @@ class GammaTuner:
         """accepted: draft tokens accepted in the step; rejected: sequences that rejected one."""
         self.acceptance = self._ema(self.acceptance, accepted / (accepted + rejected) if accepted + rejected else 1.0)
         self.t_draft = self._ema(self.t_draft, t_draft)
-        self.t_verify = self._ema(self.t_verify, t_verify)
+        self.t_fixed = self._ema(self.t_fixed, max(0.0, t_verify - (self.gamma + 1) * t_draft))
         a = min(self.acceptance, 0.99)
 
         def rate(g):
-            return (1 - a ** (g + 1)) / (1 - a) / (g * self.t_draft + self.t_verify)
+            return (1 - a ** (g + 1)) / (1 - a) / (g * self.t_draft + self.t_fixed + (g + 1) * self.t_draft)
 
         self.gamma = max(range(1, self.max_gamma + 1), key=rate)
         return self.gamma
