@@ -85,6 +85,7 @@ class LLM:
             policy_stats=engine.policy.run_stats(), device_peak_bytes=engine.budget.peak,
         )
         self._remember_acceptance()
+        self._remember_speed()
         return [RequestOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason) for s in seqs]
 
     def _remember_acceptance(self) -> None:
@@ -94,6 +95,20 @@ class LLM:
         if policy.speculative and acceptance is not None:
             key = history.draft_key(policy.draft_quant, policy.draft_experts)
             history.record(self.engine.checkpoint.fingerprint(), key, acceptance, counters.drafted)
+
+    def _remember_speed(self) -> None:
+        """Keep measured / predicted tokens/s of this offloading policy for `--policy auto`
+        (perf/feedback.py); only where a calibrated profile is saved."""
+        from .perf import feedback
+        from .policies.auto import predicted_tokens_per_s
+
+        stats, policy = self.last_stats, self.engine.policy
+        if not stats["decode_tokens_per_s"] or stats["steps"] < 4:
+            return  # too short to say anything
+        predicted = predicted_tokens_per_s(policy, stats["batch_size"])
+        if predicted:
+            feedback.record(self.engine.checkpoint.fingerprint(), self.options.offload, policy.name,
+                            stats["batch_size"], stats["decode_tokens_per_s"], predicted)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

@@ -156,9 +156,14 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
     return w
 
 
+STREAMING_SLOTS = 2  # slots a policy that streams a block's experts through needs at least
+
+
 def _device_bytes(sc: Scenario, batch: int, positions_per_seq: int, resident_experts: float,
-                  staging_experts: float) -> float:
-    """Non-expert weights + KV cache + resident experts + slots for fetched experts."""
+                  staging_experts: float = STREAMING_SLOTS) -> float:
+    """Non-expert weights + KV cache + resident experts + slots for fetched experts: the
+    least the policy runs in (the engine streams a block's experts through its free
+    slots, computing each as it lands; more slots only help the timing)."""
     s = sc.shape
     kv = batch * (sc.context_len + positions_per_seq) * s.kv_bytes_per_token
     return s.non_expert_bytes + kv + (resident_experts + staging_experts) * s.expert_bytes
@@ -199,7 +204,7 @@ def ondemand(sc: Scenario, batch: int) -> StepEstimate:
     xfer = s.num_moe_layers * sc.fetch_s(u)
     nbytes = s.num_moe_layers * u * s.expert_bytes
     return _estimate(sc, "ondemand", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer,
-                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0, u))
+                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0))
 
 
 def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str = "overlap") -> StepEstimate:
@@ -226,7 +231,7 @@ def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str
     step = s.num_moe_layers * per_layer + experts
     nbytes = s.num_moe_layers * (u + missed) * s.expert_bytes
     return _estimate(sc, policy, batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(u + missed),
-                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0, 2 * u),  # double-buffered slots
+                     _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0),
                      note=f"recall {recall:.2f}")
 
 
@@ -265,7 +270,7 @@ def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION,
     hit = 1.0 - miss / u if u else 1.0
     lru = f" + {lru_slots} LRU slots" if lru_slots else ""
     return _estimate(sc, "caching", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer, _roofline(sc, nbytes, w),
-                     _device_bytes(sc, batch, 1, c * s.num_moe_layers + lru_slots, 0 if lru_slots else miss),
+                     _device_bytes(sc, batch, 1, c * s.num_moe_layers + lru_slots, 0 if lru_slots else 1),
                      cache_fraction=fraction, note=f"{c}/{s.num_experts} cached{lru}, hit {hit:.2f}")
 
 
@@ -319,7 +324,10 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
       each expert it runs;
     - verify: one pass over B (gamma + 1) positions (gamma + 1 consecutive per sequence,
       so temporal locality applies), fetching the union minus the draft set (the N
-      hottest, resident) once for the pass, serial with compute as in ondemand;
+      hottest, resident) once for the pass. The draft's own picks predicted those
+      experts, so their fetches are queued, in draft order, when verification starts and
+      stream while it computes: verify = V + max(0, X - h V) for compute V, transfer X
+      and the link's share h left during compute (``transfer_overlap``);
     - refresh: the new draft set was just fetched: free.
 
     Tokens per step (per sequence) = (1 - a^(γ+1)) / (1 - a). `acceptance` is per token at
@@ -350,14 +358,16 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
     verify = pass_work(sc, batch, L, u)
     xfer = s.num_moe_layers * sc.fetch_s(fetch)
     compute = gamma * draft.time_s + verify.time_s
+    exposed = max(0.0, xfer - sc.hardware.transfer_overlap * verify.time_s)  # transfer not hidden by verify
     nbytes = s.num_moe_layers * fetch * s.expert_bytes
     roof = max(nbytes / sc.hardware.fetch_bw, gamma * draft.bound_s(sc.hardware) + verify.bound_s(sc.hardware))
     label = f"γ={gamma} N={draft_experts}" + (f" {draft_quant} draft" if bits else "")
-    return _estimate(sc, "specmoe", batch, compute + xfer, tokens, nbytes, compute, xfer, roof,
-                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers, fetch) + copies,
+    return _estimate(sc, "specmoe", batch, compute + exposed, tokens, nbytes, compute, xfer, roof,
+                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers) + copies,
                      gamma=gamma, draft_experts=draft_experts, acceptance=a, draft_quant=draft_quant,
                      note=f"{label} a={a:.2f}; draft {gamma * draft.time_s * 1e3:.3g} ms, "
-                          f"verify {verify.time_s * 1e3:.3g}+{xfer * 1e3:.3g} ms")
+                          f"verify {verify.time_s * 1e3:.3g} ms + {exposed * 1e3:.3g} ms of {xfer * 1e3:.3g} ms "
+                          f"transfer not hidden")
 
 
 POLICIES = {

@@ -13,7 +13,7 @@ acceptance) another policy wins and speculation is off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost_model import DEFAULT_CACHE_FRACTION, DEFAULT_CONTEXT, DEFAULT_PREDICTION_ACCURACY, Scenario, \
     StepEstimate, estimate
@@ -35,10 +35,12 @@ class Plan:
     cache_fraction: float | None  # caching only
     estimate: StepEstimate
     draft_quant: str | None = None  # specmoe only
+    correction: float = 1.0  # measured / predicted for this policy on this machine (perf/feedback.py)
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.estimate.decode_tokens_per_s
+        """The model's prediction, scaled by what this policy measured here before."""
+        return self.estimate.decode_tokens_per_s * self.correction
 
     def describe(self) -> str:
         if self.policy == "specmoe":
@@ -92,7 +94,8 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
          context_len: int = DEFAULT_CONTEXT, cache_fraction: float = DEFAULT_CACHE_FRACTION,
          device_memory: int | None = None, prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY,
          policies=AUTO_POLICIES, quant_acceptance: dict[str, float] | None = None,
-         draft_quants=DRAFT_QUANTS, cache_lru_slots: int = 0) -> Plan:
+         draft_quants=DRAFT_QUANTS, cache_lru_slots: int = 0,
+         corrections: dict[str, float] | None = None) -> Plan:
     """The fastest fitting (policy, gamma, N) for this batch, by predicted decode tokens/s.
 
     acceptance: per-token acceptance of the paper's draft, measured (or assumed) with
@@ -106,11 +109,12 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
     a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
     every = candidates(sc, batch_size, a, acceptance_draft_experts, cache_fraction, policies, quant_acceptance,
                        draft_quants, cache_lru_slots)
-    fitting = [c for c in every if c.estimate.fits]
+    corrections = corrections or {}
+    fitting = [replace(c, correction=corrections.get(c.policy, 1.0)) for c in every if c.estimate.fits]
     if not fitting:
         need = min(c.estimate.device_bytes for c in every)
         raise ValueError(f"no policy fits {shape.name} at batch {batch_size} in {sc.memory / 2**30:.1f} GiB of "
                          f"device memory: raise the device memory to at least {need / 2**30:.1f} GiB "
                          f"or lower the batch size")
     # max() keeps the first of equals: AUTO_POLICIES order prefers the simpler policy.
-    return max(fitting, key=lambda c: c.estimate.decode_tokens_per_s)
+    return max(fitting, key=lambda c: c.decode_tokens_per_s)

@@ -35,7 +35,7 @@ from .shapes import ModelShape
 # ondemand runs on the disk tier for the cost of a fetch
 PROBE_RUNS = (("resident", 1, 32), ("resident", 4, 32), ("resident", 16, 32), ("resident", 48, 32),
               ("resident", 16, 192), ("resident", 64, 128), ("ondemand", 1, 32), ("ondemand", 16, 32))
-PROBE_TOKENS = 8
+PROBE_TOKENS = 12
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch
 
 
 def run_probe(model_dir: Path, threads: int | None, workdir: Path) -> tuple[ModelShape, list[PassSample]]:
-    """Trace the PROBE_RUNS on `model_dir`; one sample per pass."""
+    """Trace the PROBE_RUNS on `model_dir`: per run, each prefill pass and one decode
+    sample, the median decode pass (a shared machine's hiccups are not the engine's
+    cost) with its experts and fetches averaged."""
     import torch
 
     from ..checkpoint import Checkpoint
@@ -101,19 +103,26 @@ def run_probe(model_dir: Path, threads: int | None, workdir: Path) -> tuple[Mode
     for policy, batch, length in PROBE_RUNS:
         records, outside = _run(model_dir, threads, workdir, policy, batch, length, warm_up=policy not in seen)
         seen.add(policy)
-        decode_step = 0
-        for r in records:
-            if not r.layers or "wall_s" not in r.timings:
-                continue
-            prefill = r.kind == "prefill"
+        passes = [r for r in records if r.layers and "wall_s" in r.timings]
+        for r in passes:
+            if r.kind == "prefill":
+                samples.append(_sample(policy, r, r.positions / r.batch_size, 0, r.timings["wall_s"]))
+        decode = [r for r in passes if r.kind == "decode"]
+        if decode:
+            wall = statistics.median(r.timings["wall_s"] for r in decode) + outside
             samples.append(PassSample(
-                policy=policy, kind=r.kind, batch=r.batch_size, per_sequence=r.positions / r.batch_size,
-                context=0 if prefill else length + decode_step,
-                experts=sum(lr.distinct for lr in r.layers) / len(r.layers),
-                fetched=sum(len(lr.fetched) for lr in r.layers),
-                wall_s=r.timings["wall_s"] + (0.0 if prefill else outside)))
-            decode_step += 0 if prefill else 1
+                policy=policy, kind="decode", batch=decode[0].batch_size, per_sequence=1.0,
+                context=length + len(decode) // 2,
+                experts=statistics.mean(sum(lr.distinct for lr in r.layers) / len(r.layers) for r in decode),
+                fetched=round(statistics.mean(sum(len(lr.fetched) for lr in r.layers) for r in decode)),
+                wall_s=wall))
     return shape, samples
+
+
+def _sample(policy: str, r, per_sequence: float, context: int, wall_s: float) -> PassSample:
+    return PassSample(policy=policy, kind=r.kind, batch=r.batch_size, per_sequence=per_sequence, context=context,
+                      experts=sum(lr.distinct for lr in r.layers) / len(r.layers),
+                      fetched=sum(len(lr.fetched) for lr in r.layers), wall_s=wall_s)
 
 
 def _features(shape: ModelShape, hw: HardwareProfile, s: PassSample) -> tuple[float, float]:
@@ -145,7 +154,7 @@ def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSamp
     every pass runs about as many). The long-context run is what separates
     memory traffic (K/V reads) from per-operator costs."""
     resident = [s for s in samples if s.policy == "resident"]
-    if len(resident) < 4:
+    if len(resident) < 3:
         raise ValueError("engine probe: too few resident passes traced to fit the compute model")
     t = np.array([s.wall_s for s in resident])
     batch = np.array([s.batch for s in resident], dtype=float)
@@ -169,11 +178,11 @@ def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSamp
 
 
 def fit_fetch(shape: ModelShape, hw: HardwareProfile, samples: list[PassSample]) -> float | None:
-    """Seconds one expert fetch adds to an ondemand pass (extra time over all passes /
-    all fetches), or None."""
+    """Seconds one expert fetch adds to an ondemand decode pass (extra time over all
+    such passes / all their fetches), or None."""
     extra = fetched = 0.0
     for s in samples:
-        if s.policy != "ondemand" or s.fetched == 0:
+        if s.policy != "ondemand" or s.kind != "decode" or s.fetched == 0:
             continue
         compute = pass_work(Scenario(shape, hw, context_len=s.context), s.batch, s.per_sequence, s.experts).time_s
         extra, fetched = extra + s.wall_s - compute, fetched + s.fetched

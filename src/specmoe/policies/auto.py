@@ -50,22 +50,36 @@ def _saved_profile(tier: str):
     return None
 
 
-def choose(runtime):
-    """(policy name, EngineConfig for it, the plan) for this runtime's model and budget."""
-    from ..perf.planner import plan
+CANDIDATES = ("ondemand", "overlap", "caching", "specmoe")
+
+
+def _model_inputs(runtime, hardware):
+    """(shape, hardware, plan keyword arguments) for this runtime, as the planner sees it."""
     from ..perf.shapes import shape_from_config
 
     opts = runtime.options
     shape = shape_from_config(runtime.checkpoint.dir)
     shape = replace(shape, bytes_per_param=runtime.expert_bytes / runtime.config.expert_params)
-    hardware = machine_profile(opts.offload, opts.offload_bandwidth)
-    candidates = ("ondemand", "overlap", "caching", "specmoe") + (("host",) if opts.offload == "host" else ())
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
-    drafts = _draft_knowledge(runtime)
+    kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=runtime.max_model_len,
+                  cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory),
+                  **_draft_knowledge(runtime))
+    return shape, hardware, kwargs
+
+
+def choose(runtime):
+    """(policy name, EngineConfig for it, the plan) for this runtime's model and budget."""
+    from ..perf import feedback
+    from ..perf.planner import plan
+
+    opts = runtime.options
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth)
+    candidates = CANDIDATES + (("host",) if opts.offload == "host" else ())
+    shape, hardware, kwargs = _model_inputs(runtime, hardware)
+    fingerprint = runtime.checkpoint.fingerprint()
+    corrections = {p: feedback.correction(fingerprint, opts.offload, p, opts.max_batch_size) for p in candidates}
     try:
-        chosen = plan(shape, hardware, opts.max_batch_size, device_memory=_plan_memory(runtime, memory),
-                      context_len=runtime.max_model_len, policies=candidates,
-                      cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory), **drafts)
+        chosen = plan(shape, hardware, opts.max_batch_size, policies=candidates, corrections=corrections, **kwargs)
     except ValueError as exc:
         raise SpecMoEError(f"policy auto: {exc}") from None
     overrides = {"policy": chosen.policy}
@@ -74,6 +88,38 @@ def choose(runtime):
         # full-precision draft experts fit beside it is specmoe's own choice from the budget
         overrides.update(gamma=chosen.gamma, draft_quant=chosen.draft_quant or "auto")
     return chosen.policy, replace(opts, **overrides), chosen
+
+
+def predicted_tokens_per_s(policy, batch: int) -> float | None:
+    """What the cost model predicts for `policy` (a running offloading policy, with its own
+    settings) at `batch` on this machine's saved profile; None without a saved profile."""
+    from ..perf import cost_model
+    from ..perf.cost_model import Scenario
+    from ..perf.routing import DEFAULT_QUANT_ACCEPTANCE
+
+    runtime = policy.runtime
+    opts = runtime.options
+    hardware = _saved_profile(opts.offload)
+    if hardware is None or policy.name not in CANDIDATES + ("host",):
+        return None
+    if opts.offload_bandwidth:
+        hardware = replace(hardware, slow_tier_read_bw=min(hardware.slow_tier_read_bw, opts.offload_bandwidth))
+    shape, hardware, kw = _model_inputs(runtime, hardware)
+    sc = Scenario(shape, hardware, context_len=kw["context_len"], device_memory=kw["device_memory"])
+    if policy.name == "caching":
+        lru = policy.pool.num_slots - len(policy.hot or [])
+        est = cost_model.caching(sc, batch, fraction=opts.cache_fraction, lru_slots=lru)
+    elif policy.name == "specmoe":
+        from ..spec import history
+
+        key = history.draft_key(policy.draft_quant, policy.draft_experts)
+        prior = DEFAULT_QUANT_ACCEPTANCE.get(policy.draft_quant, 0.7)
+        a = history.measured(runtime.checkpoint.fingerprint()).get(key, prior)
+        n = policy.draft_experts if policy.draft_quant != "none" else max(1, policy.draft_experts)
+        est = cost_model.specmoe(sc, batch, policy.gamma, n, a, draft_quant=policy.draft_quant)
+    else:
+        est = cost_model.estimate(policy.name, sc, batch)
+    return est.decode_tokens_per_s
 
 
 def _draft_knowledge(runtime) -> dict:

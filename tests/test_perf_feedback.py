@@ -1,0 +1,58 @@
+"""Measured / predicted speed per policy (perf/feedback.py) and how auto's planner uses it."""
+
+from dataclasses import replace
+
+import pytest
+
+from specmoe.perf import feedback
+from specmoe.perf.hardware import load_profile
+from specmoe.perf.planner import plan
+from specmoe.perf.shapes import load_shape
+from specmoe.llm import DEMO_MODEL_DIR
+
+
+def test_correction_is_the_median_ratio_at_the_nearest_batch_size():
+    assert feedback.correction("m", "disk", "caching", 16) == 1.0  # nothing recorded
+    for measured in (50, 60, 70):
+        feedback.record("m", "disk", "caching", 1, measured, 100)
+    feedback.record("m", "disk", "caching", 64, 200, 100)
+    assert feedback.correction("m", "disk", "caching", 2) == pytest.approx(0.6)
+    assert feedback.correction("m", "disk", "caching", 32) == pytest.approx(2.0)
+    assert feedback.correction("m", "host", "caching", 1) == 1.0  # another tier
+    assert feedback.correction("other", "disk", "caching", 1) == 1.0  # another model
+
+
+def test_only_the_most_recent_runs_count():
+    for ratio in [5.0] * 3 + [1.0] * feedback.RECENT:
+        feedback.record("m", "disk", "ondemand", 4, ratio, 1.0)
+    assert feedback.correction("m", "disk", "ondemand", 4) == 1.0
+
+
+def test_measurements_that_contradict_the_model_change_the_plan():
+    shape = replace(load_shape(str(DEMO_MODEL_DIR)), bytes_per_param=4)
+    hw = load_profile("h100-pcie5")
+    kw = dict(policies=("ondemand", "overlap", "caching"), context_len=64)
+    first = plan(shape, hw, 16, **kw)
+    slower = {first.policy: 0.1}
+    second = plan(shape, hw, 16, corrections=slower, **kw)
+    assert second.policy != first.policy
+    assert second.decode_tokens_per_s == pytest.approx(second.estimate.decode_tokens_per_s)
+
+
+def test_an_offloading_run_records_its_speed_once_a_profile_is_saved(tiny_ckpt, tmp_path):
+    from factories import random_prompts
+    from specmoe import LLM, SamplingParams
+    from specmoe.perf.hardware import save_profile
+
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(4, min_len=3, max_len=10, seed=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=str(path), device="cpu", policy="ondemand", offload="disk", offload_dir=str(tmp_path),
+              max_batch_size=4, max_model_len=32)
+    fingerprint = llm.engine.checkpoint.fingerprint()
+    llm.generate(prompts, params)
+    assert feedback.correction(fingerprint, "disk", "ondemand", 4) == 1.0  # no profile: nothing recorded
+    save_profile(replace(load_profile("h100-pcie5-ssd"), name="local", slow_tier="disk"))
+    llm.generate(prompts, params)
+    assert feedback.correction(fingerprint, "disk", "ondemand", 4) != 1.0
+    llm.close()
