@@ -11,6 +11,12 @@ from specmoe.perf.shapes import load_shape
 from specmoe.llm import DEMO_MODEL_DIR
 
 
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """A fresh cache dir per test: no profile, no history, whatever ran before."""
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+
 def test_correction_is_the_median_ratio_at_the_nearest_batch_size():
     assert feedback.correction("m", "disk", "caching", 16) == 1.0  # nothing recorded
     for measured in (50, 60, 70):

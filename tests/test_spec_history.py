@@ -7,6 +7,12 @@ import pytest
 from specmoe.spec import history
 
 
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """A fresh cache dir per test: no profile, no history, whatever ran before."""
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+
 def test_record_merges_runs_weighted_by_drafted_tokens():
     history.record("model-a", "int8", 1.0, 100)
     history.record("model-a", "int8", 0.5, 300)
