@@ -72,16 +72,19 @@ def test_auto_plans_the_papers_draft_only_once_measured(tiny_ckpt):
     assert known["draft_quants"] == ("int8", "none") and (known["acceptance"], known["acceptance_draft_experts"]) == (0.6, 2)
 
 
-def test_gamma_tuner_weighs_verification_compute_growing_with_gamma():
+def test_gamma_tuner_climbs_to_the_measured_best_gamma():
     from specmoe.spec.decoder import GammaTuner
 
+    def run(step_seconds, start=5):
+        tuner = GammaTuner(gamma=start)
+        for _ in range(40):
+            g = tuner.gamma
+            tuner.update(tokens=g + 1, seconds=step_seconds(g))  # every draft accepted
+        return tuner.gamma
+
     # transfer-bound verification (a large fixed part): long drafts pay
-    tuner = GammaTuner(gamma=5)
-    for _ in range(5):
-        g = tuner.update(accepted=29, rejected=1, t_draft=0.01, t_verify=1.0 + (tuner.gamma + 1) * 0.01)
-    assert g >= 8
-    # compute-bound verification (each verified position costs a draft pass): short drafts
-    tuner = GammaTuner(gamma=5)
-    for _ in range(5):
-        g = tuner.update(accepted=29, rejected=1, t_draft=0.05, t_verify=0.02 + (tuner.gamma + 1) * 0.05)
-    assert g <= 2
+    assert run(lambda g: 1.0 + 0.01 * g) >= 9
+    # each draft pass as slow as the verification: short drafts
+    assert run(lambda g: 0.05 + 0.2 * g) <= 2
+    # an optimum inside: tokens / time = (g + 1) / (0.3 + 0.02 g^2) peaks at g = 3
+    assert run(lambda g: 0.3 + 0.02 * g * g, start=8) in (3, 4)
