@@ -127,8 +127,8 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
 
     experts_touched: distinct routed experts per MoE layer whose weights the pass reads
     from device memory; routed=False leaves routed experts out (host policy). quant_bits:
-    the experts are quantized copies, dequantized per run (read the codes, write and
-    read the full-precision matrix)."""
+    the experts are quantized copies, dequantized per run: memory traffic is the codes
+    (the dequantized matrix is used while it is still in cache), plus DEQUANT_OPS."""
     s, hw = sc.shape, sc.hardware
     P = batch * per_sequence
     bpp = s.bytes_per_param
@@ -144,7 +144,7 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
         w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
     expert_bytes, expert_ops = s.expert_bytes, LAUNCHES_PER_EXPERT
     if quant_bits:
-        expert_bytes = s.expert_bytes * (2 + quant_bits / (8 * bpp))
+        expert_bytes = s.expert_bytes * quant_bits / (8 * bpp)
         expert_ops += DEQUANT_OPS
     for _ in range(s.num_moe_layers):
         small = s.router_params + s.shared_expert_params  # router + shared expert: every position

@@ -61,7 +61,9 @@ def _model_inputs(runtime, hardware):
     shape = shape_from_config(runtime.checkpoint.dir)
     shape = replace(shape, bytes_per_param=runtime.expert_bytes / runtime.config.expert_params)
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
-    kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=runtime.max_model_len,
+    # mean cached positions: half the length reserved per sequence (sequences grow into
+    # it); the KV the model then counts stays inside what the engine reserved
+    kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=max(1, runtime.max_model_len // 2),
                   cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory),
                   **_draft_knowledge(runtime))
     return shape, hardware, kwargs
