@@ -32,6 +32,21 @@ def test_fit_recovers_the_per_operator_and_per_sequence_costs():
     assert fit["sequence_overhead_s"] == pytest.approx(TRUE["sequence_overhead_s"], rel=0.3)
 
 
+def test_a_measured_operator_cost_is_kept_and_the_rest_fitted_around_it():
+    shape = replace(load_shape(str(DEMO_MODEL_DIR)), bytes_per_param=4)
+    base = replace(load_profile("h100-pcie5"), device_matmul_flops=80e9, device_mem_bw=30e9)
+    fit = fit_compute(shape, base, _samples(shape, replace(base, **TRUE)), op_cost=TRUE["kernel_launch_s"])
+    assert fit["kernel_launch_s"] == TRUE["kernel_launch_s"]
+    assert fit["fit_rms_rel_error"] < 0.03
+    assert fit["sequence_overhead_s"] == pytest.approx(TRUE["sequence_overhead_s"], rel=0.2)
+
+
+def test_operator_cost_is_a_few_microseconds_not_zero():
+    from specmoe.perf.probe import measure_op_cost
+
+    assert 1e-8 < measure_op_cost(reps=50) < 1e-3
+
+
 def test_fetch_cost_is_what_ondemand_passes_add_per_expert():
     shape = replace(load_shape(str(DEMO_MODEL_DIR)), bytes_per_param=4)
     hw = replace(load_profile("h100-pcie5"), **TRUE)

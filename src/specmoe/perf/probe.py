@@ -6,10 +6,11 @@ host work per pass and per sequence (sampling, scheduling). So calibration runs 
 bundled demo model through the engine, traces every pass, and fits the cost model's
 terms to what it measured:
 
+- the cost per operator (``kernel_launch_s``), timed on a decode-like mix of tiny
+  operators;
 - with every expert resident (decode at several batch sizes, and their prefills):
-  effective matmul rate and memory bandwidth, the cost per operator
-  (``kernel_launch_s``) and per sequence (``sequence_overhead_s``), by least squares
-  on relative error;
+  effective matmul rate and memory bandwidth and the cost per sequence
+  (``sequence_overhead_s``), by least squares on relative error;
 - with ``ondemand`` on the disk tier: what one expert fetch costs the engine beyond
   the read itself (``transfer_latency_s`` then holds it next to the disk's own latency).
 
@@ -145,14 +146,47 @@ def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSample]) -> dict:
+def measure_op_cost(threads: int | None = None, reps: int = 400) -> float:
+    """Seconds per operator of a decode-like mix on tiny tensors (gather, matmul, SiLU,
+    product, scatter-add, norm): the dispatcher and Python around each operator, with
+    next to no arithmetic. Measured directly, because a fit cannot tell it from memory
+    traffic: both grow with the experts a pass runs."""
+    import os
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // 2))  # as the engine runs
+    x, w = torch.randn(4, 256), torch.randn(256, 256)
+    rows = torch.tensor([0, 2, 3])
+    out = torch.zeros(4, 256)
+
+    def mix():
+        h = x[rows]
+        y = torch.nn.functional.linear(h, w)
+        y = torch.nn.functional.silu(y) * y
+        out.index_add_(0, rows, y)
+        torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+        return 7  # operators above
+
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        ops = sum(mix() for _ in range(reps))
+        best = min(best, (time.perf_counter() - t) / ops)
+    return best
+
+
+def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSample],
+                op_cost: float | None = None) -> dict:
     """Rates and overheads that make the cost model's pass times match resident passes.
 
-    A grid over the matmul rate and the memory bandwidth (up to the measured ones x 1.5);
-    for each, the per-operator and per-sequence costs solve a non-negative least-squares
-    problem on relative error (a per-pass constant would trade off against the operators:
-    every pass runs about as many). The long-context run is what separates
-    memory traffic (K/V reads) from per-operator costs."""
+    The cost per operator is `op_cost` when given (measured: :func:`measure_op_cost`),
+    else fitted. A grid over the matmul rate and the memory bandwidth (up to the
+    measured ones x 1.5); for each, the remaining per-operator and per-sequence costs
+    solve a non-negative least-squares problem on relative error (a per-pass constant
+    would trade off against the operators: every pass runs about as many). The
+    long-context run is what separates memory traffic (K/V reads) from the rest."""
     resident = [s for s in samples if s.policy == "resident"]
     if len(resident) < 3:
         raise ValueError("engine probe: too few resident passes traced to fit the compute model")
@@ -165,9 +199,15 @@ def fit_compute(shape: ModelShape, base: HardwareProfile, samples: list[PassSamp
                          sequence_overhead_s=0.0)
             feats = np.array([_features(shape, hw, s) for s in resident])
             roof, ops = feats[:, 0], feats[:, 1]
-            a = np.stack([ops, batch], axis=1) / t[:, None]
-            coef = _nonnegative_lstsq(a, 1.0 - roof / t)
-            rel = (roof + a @ coef * t) / t - 1.0
+            if op_cost is None:
+                a = np.stack([ops, batch], axis=1) / t[:, None]
+                coef = _nonnegative_lstsq(a, 1.0 - roof / t)
+            else:
+                fixed = roof + ops * op_cost
+                a = batch[:, None] / t[:, None]
+                coef = np.concatenate([[op_cost], _nonnegative_lstsq(a, 1.0 - fixed / t)])
+            pred = roof + ops * coef[0] + batch * coef[1]
+            rel = pred / t - 1.0
             err = float(np.sqrt(np.mean(rel ** 2)))
             if best is None or err < best[0]:
                 best = (err, float(flops), float(bw), coef, rel)
@@ -195,7 +235,8 @@ def calibrate_engine(base: HardwareProfile, threads: int | None = None, model_di
 
     with tempfile.TemporaryDirectory(prefix="specmoe-probe-") as tmp:
         shape, samples = run_probe(Path(model_dir) if model_dir else default_model_dir(), threads, Path(tmp))
-    fit = fit_compute(shape, base, samples)
+    op_cost = measure_op_cost(threads)
+    fit = fit_compute(shape, base, samples, op_cost)
     fitted = replace(base, **{k: fit[k] for k in ("device_matmul_flops", "device_mem_bw", "kernel_launch_s",
                                                    "sequence_overhead_s")})
     fetch = fit_fetch(shape, fitted, samples)
