@@ -2,7 +2,7 @@
 
 A matmul benchmark says what the hardware can do; a small MoE model on an eager engine
 spends most of a pass elsewhere: the dispatcher and Python around each operator, and
-host work per pass and per sequence (sampling, scheduling). So calibration runs the
+host work per sequence (sampling, scheduling). So calibration runs the
 bundled demo model through the engine, traces every pass, and fits the cost model's
 terms to what it measured:
 
@@ -11,8 +11,9 @@ terms to what it measured:
 - with every expert resident (decode at several batch sizes, and their prefills):
   effective matmul rate and memory bandwidth and the cost per sequence
   (``sequence_overhead_s``), by least squares on relative error;
-- with ``ondemand`` on the disk tier: what one expert fetch costs the engine beyond
-  the read itself (``transfer_latency_s`` then holds it next to the disk's own latency).
+- with ``ondemand`` on the disk tier, reading the engine's own expert file: what one
+  expert fetch adds to a pass (``transfer_latency_s`` then holds what it costs beyond
+  the bytes at the disk's rate).
 
 The fit uses the cost model's own :func:`~specmoe.perf.cost_model.pass_work`, so the
 same terms project a calibrated machine to other models.
