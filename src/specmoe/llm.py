@@ -97,18 +97,15 @@ class LLM:
             history.record(self.engine.checkpoint.fingerprint(), key, acceptance, counters.drafted)
 
     def _remember_speed(self) -> None:
-        """Keep measured / predicted tokens/s of this offloading policy for `--policy auto`
-        (perf/feedback.py); only where a calibrated profile is saved."""
+        """Keep this offloading policy's measured tokens/s for `--policy auto` (perf/feedback.py)."""
         from .perf import feedback
-        from .policies.auto import predicted_tokens_per_s
+        from .policies.auto import CANDIDATES
 
         stats, policy = self.last_stats, self.engine.policy
-        if not stats["decode_tokens_per_s"] or stats["steps"] < 4:
-            return  # too short to say anything
-        predicted = predicted_tokens_per_s(policy, stats["batch_size"])
-        if predicted:
-            feedback.record(self.engine.checkpoint.fingerprint(), self.options.offload, policy.name,
-                            stats["batch_size"], stats["decode_tokens_per_s"], predicted)
+        if policy.name not in CANDIDATES + ("host",) or not stats["decode_tokens_per_s"] or stats["steps"] < 4:
+            return  # not a policy auto chooses, or too short to say anything
+        feedback.record(self.engine.checkpoint.fingerprint(), self.options.offload, policy.name,
+                        stats["batch_size"], stats["decode_tokens_per_s"])
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:

@@ -1,13 +1,14 @@
-"""How fast each policy really ran on this machine against what the cost model predicted:
-`--policy auto` scales its predictions by it.
+"""How fast each policy really ran on this machine: `--policy auto` corrects the cost
+model with it.
 
 A cost model fitted on seconds of probing is off by tens of percent for some policy and
-batch size (BENCHMARKS.md, validation); ranking policies whose predictions are that
-close needs measurements. Every run of an offloading policy records measured / predicted
-decode tokens/s per (model, tier, policy, batch size) in ``<cache dir>/feedback.json``
-(the last RECENT runs); the planner multiplies each policy's prediction by the median
-ratio recorded at the nearest batch size (1 where nothing is recorded: a fresh machine
-plans from the model alone).
+batch size on a shared machine (BENCHMARKS.md, validation); ranking policies whose
+predictions are that close needs measurements. Every run of an offloading policy records
+its decode tokens/s per (model, tier, policy, batch size) in ``<cache dir>/speeds.json``
+(the last RECENT runs). When planning, each policy's prediction is scaled by
+measured / predicted at the recorded batch size nearest to the one planned, both taken
+now: speeds are kept, not ratios, so a new calibration does not leave stale corrections
+behind. Nothing recorded: the model alone (a fresh machine).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ RECENT = 8
 
 
 def feedback_path():
-    return cache_dir() / "feedback.json"
+    return cache_dir() / "speeds.json"
 
 
 def _load() -> dict:
@@ -33,12 +34,13 @@ def _load() -> dict:
         return {}
 
 
-def record(fingerprint: str, tier: str, policy: str, batch: int, measured: float, predicted: float) -> None:
-    if not (measured > 0 and predicted > 0):
+def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: float) -> None:
+    """Keep a run's decode tokens/s."""
+    if not tokens_per_s > 0:
         return
     data = _load()
     runs = data.setdefault(fingerprint, {}).setdefault(f"{tier}/{policy}", {}).setdefault(str(batch), [])
-    runs.append(measured / predicted)
+    runs.append(float(tokens_per_s))
     del runs[:-RECENT]
     path = feedback_path()
     try:
@@ -50,12 +52,11 @@ def record(fingerprint: str, tier: str, policy: str, batch: int, measured: float
         pass  # a read-only cache dir: plans use the model alone
 
 
-def correction(fingerprint: str, tier: str, policy: str, batch: int) -> float:
-    """Median measured/predicted ratio of `policy` at the recorded batch size nearest to
-    `batch` (in log scale), or 1.0."""
+def measured(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, float] | None:
+    """(recorded batch size nearest to `batch` in log scale, median tokens/s there), or None."""
     by_batch = _load().get(fingerprint, {}).get(f"{tier}/{policy}", {})
-    runs = {int(b): r for b, r in by_batch.items() if r}
+    runs = {int(b): r for b, r in by_batch.items() if isinstance(r, list) and r}
     if not runs:
-        return 1.0
+        return None
     nearest = min(runs, key=lambda b: abs(math.log(b) - math.log(batch)))
-    return float(statistics.median(runs[nearest]))
+    return nearest, float(statistics.median(runs[nearest]))

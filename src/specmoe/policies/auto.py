@@ -71,15 +71,13 @@ def _model_inputs(runtime, hardware):
 
 def choose(runtime):
     """(policy name, EngineConfig for it, the plan) for this runtime's model and budget."""
-    from ..perf import feedback
     from ..perf.planner import plan
 
     opts = runtime.options
     hardware = machine_profile(opts.offload, opts.offload_bandwidth)
     candidates = CANDIDATES + (("host",) if opts.offload == "host" else ())
     shape, hardware, kwargs = _model_inputs(runtime, hardware)
-    fingerprint = runtime.checkpoint.fingerprint()
-    corrections = {p: feedback.correction(fingerprint, opts.offload, p, opts.max_batch_size) for p in candidates}
+    corrections = _corrections(runtime, shape, hardware, kwargs, candidates)
     try:
         chosen = plan(shape, hardware, opts.max_batch_size, policies=candidates, corrections=corrections, **kwargs)
     except ValueError as exc:
@@ -92,36 +90,29 @@ def choose(runtime):
     return chosen.policy, replace(opts, **overrides), chosen
 
 
-def predicted_tokens_per_s(policy, batch: int) -> float | None:
-    """What the cost model predicts for `policy` (a running offloading policy, with its own
-    settings) at `batch` on this machine's saved profile; None without a saved profile."""
-    from ..perf import cost_model
+def _corrections(runtime, shape, hardware, kwargs, policies) -> dict[str, float]:
+    """Per policy: tokens/s measured here (perf/feedback.py) at the recorded batch size
+    nearest to the planned one, over what the model predicts there now."""
+    from ..perf import feedback
     from ..perf.cost_model import Scenario
-    from ..perf.routing import DEFAULT_QUANT_ACCEPTANCE
+    from ..perf.planner import candidates
+    from ..perf.routing import DEFAULT_ACCEPTANCE
 
-    runtime = policy.runtime
     opts = runtime.options
-    hardware = _saved_profile(opts.offload)
-    if hardware is None or policy.name not in CANDIDATES + ("host",):
-        return None
-    if opts.offload_bandwidth:
-        hardware = replace(hardware, slow_tier_read_bw=min(hardware.slow_tier_read_bw, opts.offload_bandwidth))
-    shape, hardware, kw = _model_inputs(runtime, hardware)
-    sc = Scenario(shape, hardware, context_len=kw["context_len"], device_memory=kw["device_memory"])
-    if policy.name == "caching":
-        lru = policy.pool.num_slots - len(policy.hot or [])
-        est = cost_model.caching(sc, batch, fraction=opts.cache_fraction, lru_slots=lru)
-    elif policy.name == "specmoe":
-        from ..spec import history
-
-        key = history.draft_key(policy.draft_quant, policy.draft_experts)
-        prior = DEFAULT_QUANT_ACCEPTANCE.get(policy.draft_quant, 0.7)
-        a = history.measured(runtime.checkpoint.fingerprint()).get(key, prior)
-        n = policy.draft_experts if policy.draft_quant != "none" else max(1, policy.draft_experts)
-        est = cost_model.specmoe(sc, batch, policy.gamma, n, a, draft_quant=policy.draft_quant)
-    else:
-        est = cost_model.estimate(policy.name, sc, batch)
-    return est.decode_tokens_per_s
+    sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
+    acceptance = kwargs.get("acceptance") or DEFAULT_ACCEPTANCE
+    out = {}
+    for policy in policies:
+        seen = feedback.measured(runtime.checkpoint.fingerprint(), opts.offload, policy, opts.max_batch_size)
+        if seen is None:
+            continue
+        batch, speed = seen
+        plans = candidates(sc, batch, acceptance, kwargs.get("acceptance_draft_experts", 4), kwargs["cache_fraction"],
+                           (policy,), kwargs["quant_acceptance"], kwargs["draft_quants"], kwargs["cache_lru_slots"])
+        predicted = max((c.estimate.decode_tokens_per_s for c in plans), default=0.0)
+        if predicted > 0:
+            out[policy] = speed / predicted
+    return out
 
 
 def _draft_knowledge(runtime) -> dict:
