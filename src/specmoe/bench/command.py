@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpecMoEError
+from ..perf import units
 
 DEFAULT_POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
@@ -102,12 +103,9 @@ def _positive(value, flag) -> int:
 
 def parse_batch_sizes(text: str) -> list[int]:
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(b < 1 for b in sizes):
-        raise SpecMoEError(f"--batch-sizes {text!r}: give positive integers separated by commas, e.g. 1,4,16,64")
-    return sorted(set(sizes))
+        return units.parse_batch_sizes(text)
+    except ValueError as e:
+        raise SpecMoEError(str(e)) from None
 
 
 def parse_policies(text: str | None, offload: str) -> list[str]:

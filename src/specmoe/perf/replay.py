@@ -81,7 +81,7 @@ from types import SimpleNamespace
 from ..errors import SpecMoEError
 from .shapes import ModelShape, load_shape
 from .trace import StepRecord, read_trace
-from .units import format_bytes
+from .units import format_bytes, parse_batch_sizes
 
 REPLAY_POLICIES = ("ondemand", "overlap", "caching", "specmoe")
 TRACE_POLICIES = ("resident", "ondemand", "overlap", "caching", "host", "specmoe")
@@ -931,9 +931,9 @@ def replay(args) -> dict:
     traced = sorted({s.batch for s in sources})
     if args.batch_sizes:
         try:
-            batches = sorted({int(b) for b in _csv(args.batch_sizes, "batch-sizes")})
-        except ValueError:
-            raise ReplayError(f"bad --batch-sizes {args.batch_sizes!r}: expected integers, e.g. 1,16,64") from None
+            batches = parse_batch_sizes(args.batch_sizes)
+        except ValueError as e:
+            raise ReplayError(str(e)) from None
         missing = [b for b in batches if b not in traced]
         if missing:
             raise ReplayError(f"no trace recorded at batch size {missing[0]}; the traces given are at "

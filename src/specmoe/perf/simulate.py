@@ -19,7 +19,7 @@ from .routing import DEFAULT_ACCEPTANCE, DEFAULT_DRAFT_EXPERTS, DEFAULT_LOCALITY
     acceptance_for_tokens_per_step, acceptance_from_trace, fit_routing
 from .shapes import load_shape
 from .trace import read_trace
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_batch_sizes, parse_size
 
 DEFAULT_BATCH_SIZES = "1,4,16,64,128,256"
 DEFAULT_GAMMA = 5
@@ -73,21 +73,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(b < 1 for b in sizes):
-        raise SimulateError(f"bad --batch-sizes {text!r}: expected comma-separated positive integers, e.g. 1,16,256")
-    return sorted(set(sizes))
-
-
 def build(args) -> tuple[dict, list[str], list[dict]]:
     """(config, assumptions, records) for the parsed arguments."""
     shape = load_shape(args.model_shape)
     hw = load_profile(args.hardware)
-    sizes = _batch_sizes(args.batch_sizes)
+    sizes = parse_batch_sizes(args.batch_sizes)
     if args.gamma < 1:
         raise SimulateError(f"bad --gamma {args.gamma}: must be >= 1")
     if args.acceptance is not None and args.tokens_per_step is not None:

@@ -1,4 +1,5 @@
-"""Byte sizes in and out: '256MiB', '2GiB', '1.5GB', '4096' <-> numbers."""
+"""Sizes on the command line: byte sizes ('256MiB', '2GiB', '1.5GB', '4096' <-> numbers)
+and batch-size lists ('1,4,16')."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"bad size {text!r}: must be positive")
     return value
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """'16,1,4' -> [1, 4, 16] (sorted, without repeats)."""
+    try:
+        sizes = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(f"bad --batch-sizes {text!r}: give positive integers separated by commas, e.g. 1,4,16,64")
+    return sorted(set(sizes))
 
 
 def format_bytes(n: float) -> str:
