@@ -368,6 +368,14 @@ def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
     return int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + fraction * experts)
 
 
+def assert_policy_run_is_exact(stats: dict, sha: str, budget: int, policy: str) -> None:
+    """Resident's tokens, within the budget, and (offloading) experts really moved."""
+    assert stats["token_ids_sha256"] == sha
+    assert stats["device_peak_bytes"] <= budget
+    if policy != "host":
+        assert stats["transfer_bytes"] > 0
+
+
 def watch_draft_fetches(policy) -> list:
     """Record every expert fetch the policy issues while drafting (there must be none)."""
     fetched, original = [], policy.transfer.fetch

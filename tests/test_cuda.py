@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from factories import random_prompts
+from factories import assert_policy_run_is_exact, random_prompts
 from specmoe import LLM, SamplingParams
 from specmoe.checkpoint import Checkpoint
 from specmoe.experts.budget import DeviceBudget
@@ -105,11 +105,7 @@ def test_greedy_output_on_cuda_equals_resident(cuda_reference, tmp_path, policy)
     llm = LLM(model=str(path), device="cuda", policy=policy, offload="host", offload_dir=str(tmp_path),
               device_memory=budget, max_batch_size=8, max_model_len=64)
     llm.generate(prompts, GREEDY)
-    stats = llm.last_stats
-    assert stats["token_ids_sha256"] == sha
-    assert stats["device_peak_bytes"] <= budget
-    if policy != "host":
-        assert stats["transfer_bytes"] > 0
+    assert_policy_run_is_exact(llm.last_stats, sha, budget, policy)
     llm.close()
 
 

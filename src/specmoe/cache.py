@@ -1,13 +1,37 @@
 """specmoe's cache directory: `$SPECMOE_CACHE_DIR`, else `~/.cache/specmoe`.
 
 It holds the disk tier's expert files (offload/), affinity tables and quantized draft
-copies (keyed by checkpoint), and calibrated hardware profiles (profiles/)."""
+copies (keyed by checkpoint), calibrated hardware profiles (profiles/), and what runs
+measured for `--policy auto` (acceptance.json, speeds.json)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECMOE_CACHE_DIR") or Path.home() / ".cache" / "specmoe")
+
+
+def read_json(name: str) -> dict:
+    """A JSON object kept in the cache dir; {} when missing or unreadable."""
+    try:
+        data = json.loads((cache_dir() / name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_json(name: str, data: dict) -> None:
+    """Replace a JSON object in the cache dir atomically. Best effort: a read-only cache
+    dir only means what was measured is not remembered."""
+    path = cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -13,48 +13,29 @@ behind. Nothing recorded: the model alone (a fresh machine).
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 
-from ..cache import cache_dir
+from ..cache import read_json, write_json
 
+FILE = "speeds.json"
 RECENT = 8
-
-
-def feedback_path():
-    return cache_dir() / "speeds.json"
-
-
-def _load() -> dict:
-    try:
-        return json.loads(feedback_path().read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: float) -> None:
     """Keep a run's decode tokens/s."""
     if not tokens_per_s > 0:
         return
-    data = _load()
+    data = read_json(FILE)
     runs = data.setdefault(fingerprint, {}).setdefault(f"{tier}/{policy}", {}).setdefault(str(batch), [])
     runs.append(float(tokens_per_s))
     del runs[:-RECENT]
-    path = feedback_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache dir: plans use the model alone
+    write_json(FILE, data)  # a read-only cache dir: plans use the model alone
 
 
 def measured(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, float] | None:
     """(recorded batch size nearest to `batch` in log scale, median tokens/s there), or None."""
-    by_batch = _load().get(fingerprint, {}).get(f"{tier}/{policy}", {})
+    by_batch = read_json(FILE).get(fingerprint, {}).get(f"{tier}/{policy}", {})
     runs = {int(b): r for b, r in by_batch.items() if isinstance(r, list) and r}
     if not runs:
         return None

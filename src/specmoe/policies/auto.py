@@ -124,7 +124,8 @@ def _draft_knowledge(runtime) -> dict:
     seen = history.measured(runtime.checkpoint.fingerprint())
     quant = {k: v for k, v in seen.items() if not k.startswith("none@")}
     paper = sorted((int(k.split("@")[1]), v) for k, v in seen.items() if k.startswith("none@"))
-    quantized = (_quantized_draft(runtime),) if _quantized_draft(runtime) else ()
+    mode = _quantized_draft(runtime)
+    quantized = (mode,) if mode else ()
     if not paper:
         return {"quant_acceptance": quant, "draft_quants": quantized}
     n, a = paper[-1]

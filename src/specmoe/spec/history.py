@@ -16,17 +16,16 @@ Draft keys: ``int8``, ``int4``, ``int3`` (copies of every expert: N does not mat
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from ..cache import cache_dir
+from ..cache import cache_dir, read_json, write_json
 
+FILE = "acceptance.json"
 MAX_WEIGHT = 20_000  # drafted tokens an entry remembers: newer runs keep moving it
 
 
 def history_path() -> Path:
-    return cache_dir() / "acceptance.json"
+    return cache_dir() / FILE
 
 
 def draft_key(draft_quant: str, draft_experts: int | None) -> str:
@@ -39,16 +38,9 @@ def per_token_acceptance(accepted: int, rejected: int) -> float | None:
     return accepted / (accepted + rejected) if accepted + rejected else None
 
 
-def _load() -> dict:
-    try:
-        return json.loads(history_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def measured(fingerprint: str) -> dict[str, float]:
     """Draft key -> per-token acceptance measured for this model (empty when none)."""
-    entries = _load().get(fingerprint, {})
+    entries = read_json(FILE).get(fingerprint, {})
     return {k: float(v["acceptance"]) for k, v in entries.items() if isinstance(v, dict) and "acceptance" in v}
 
 
@@ -56,17 +48,10 @@ def record(fingerprint: str, key: str, acceptance: float, drafted: int) -> None:
     """Merge a run's acceptance into the history (weighted by drafted tokens)."""
     if drafted <= 0 or not 0.0 <= acceptance <= 1.0:
         return
-    data = _load()
+    data = read_json(FILE)
     entry = data.setdefault(fingerprint, {}).get(key, {"acceptance": acceptance, "drafted": 0})
     weight = min(int(entry.get("drafted", 0)), MAX_WEIGHT)
     entry = {"acceptance": (entry["acceptance"] * weight + acceptance * drafted) / (weight + drafted),
              "drafted": weight + drafted}
     data[fingerprint][key] = entry
-    path = history_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache dir: planning falls back to its priors
+    write_json(FILE, data)  # a read-only cache dir: planning falls back to its priors
