@@ -219,13 +219,10 @@ def measure_host(torch, copy_bytes: int = 256 << 20) -> dict:
     out = {"host_copy_bw": n / t, "host_mem_bw": 2 * n / t}  # STREAM convention: read + write
     out["host_matmul_flops_fp32"] = _matmul_flops(torch, torch.float32)
     out["host_matmul_flops_bf16"] = _matmul_flops(torch, torch.bfloat16)
-    x = torch.ones(1)
-    n_ops = 2000
-    t0 = time.perf_counter()
-    for _ in range(n_ops):
-        x.add_(1)
-    out["host_op_overhead_s"] = (time.perf_counter() - t0) / n_ops
     out["host_threads"] = torch.get_num_threads()
+    from .probe import measure_op_cost  # (sets torch's threads to the engine's)
+
+    out["host_op_overhead_s"] = measure_op_cost()
     return out
 
 

@@ -231,13 +231,13 @@ def fit_fetch(shape: ModelShape, hw: HardwareProfile, samples: list[PassSample])
 
 
 def calibrate_engine(base: HardwareProfile, threads: int | None = None, model_dir: Path | None = None) -> dict:
-    """Run the probe on the demo model (or `model_dir`) and fit; measurements for the profile."""
+    """Run the probe on the demo model (or `model_dir`) and fit around `base`'s measured
+    per-operator cost (:func:`measure_op_cost`); measurements for the profile."""
     from ..llm import default_model_dir
 
     with tempfile.TemporaryDirectory(prefix="specmoe-probe-") as tmp:
         shape, samples = run_probe(Path(model_dir) if model_dir else default_model_dir(), threads, Path(tmp))
-    op_cost = measure_op_cost(threads)
-    fit = fit_compute(shape, base, samples, op_cost)
+    fit = fit_compute(shape, base, samples, base.kernel_launch_s)
     fitted = replace(base, **{k: fit[k] for k in ("device_matmul_flops", "device_mem_bw", "kernel_launch_s",
                                                    "sequence_overhead_s")})
     fetch = fit_fetch(shape, fitted, samples)

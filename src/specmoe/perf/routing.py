@@ -33,6 +33,7 @@ geometric and tokens per step (accepted + the target's own token) are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -73,17 +74,7 @@ class RoutingModel:
 
     def position_miss(self, num_experts: int, top_k: int) -> np.ndarray:
         """P(one position does not pick expert e): (1 - q_e)^k' with sum(1 - .) = k."""
-        q = self.hotness(num_experts)
-        k = min(top_k, num_experts)
-        if k >= num_experts:
-            return np.zeros_like(q)
-        lo, hi = float(k), float(k)
-        while (1.0 - (1.0 - q) ** hi).sum() < k:
-            hi *= 2.0
-        for _ in range(50):  # bisection on k'
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if (1.0 - (1.0 - q) ** mid).sum() < k else (lo, mid)
-        return (1.0 - q) ** hi
+        return _position_miss(self.skew, num_experts, top_k)
 
     def touched(self, num_experts: int, top_k: int, batch: int, per_sequence: int = 1) -> np.ndarray:
         """P(expert touched) in one layer for a pass over batch x per_sequence positions."""
@@ -104,6 +95,24 @@ class RoutingModel:
     def coverage(self, num_experts: int, n: int) -> float:
         """Routing mass on the n hottest experts."""
         return float(self.hotness(num_experts)[: max(0, n)].sum())
+
+
+@lru_cache(maxsize=256)
+def _position_miss(skew: float, num_experts: int, top_k: int) -> np.ndarray:
+    """Solved once per (skew, E, k): the planner asks for it hundreds of times a plan."""
+    q = RoutingModel(skew, 0.0).hotness(num_experts)
+    k = min(top_k, num_experts)
+    if k >= num_experts:
+        return np.zeros_like(q)
+    lo, hi = float(k), float(k)
+    while (1.0 - (1.0 - q) ** hi).sum() < k:
+        hi *= 2.0
+    for _ in range(50):  # bisection on k'
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (1.0 - (1.0 - q) ** mid).sum() < k else (lo, mid)
+    miss = (1.0 - q) ** hi
+    miss.flags.writeable = False  # shared by every caller
+    return miss
 
 
 def monte_carlo_distinct(model: RoutingModel, num_experts: int, top_k: int, batch: int, per_sequence: int = 1,
