@@ -53,8 +53,8 @@ def _saved_profile(tier: str):
 CANDIDATES = ("ondemand", "overlap", "caching", "specmoe")
 
 
-def _model_inputs(runtime, hardware):
-    """(shape, hardware, plan keyword arguments) for this runtime, as the planner sees it."""
+def _model_inputs(runtime):
+    """(shape, plan keyword arguments) for this runtime, as the planner sees it."""
     from ..perf.shapes import shape_from_config
 
     opts = runtime.options
@@ -66,7 +66,7 @@ def _model_inputs(runtime, hardware):
     kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=max(1, runtime.max_model_len // 2),
                   cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory),
                   **_draft_knowledge(runtime))
-    return shape, hardware, kwargs
+    return shape, kwargs
 
 
 def choose(runtime):
@@ -76,7 +76,7 @@ def choose(runtime):
     opts = runtime.options
     hardware = machine_profile(opts.offload, opts.offload_bandwidth)
     candidates = CANDIDATES + (("host",) if opts.offload == "host" else ())
-    shape, hardware, kwargs = _model_inputs(runtime, hardware)
+    shape, kwargs = _model_inputs(runtime)
     corrections = _corrections(runtime, shape, hardware, kwargs, candidates)
     try:
         chosen = plan(shape, hardware, opts.max_batch_size, policies=candidates, corrections=corrections, **kwargs)
