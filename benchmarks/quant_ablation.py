@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,7 +36,7 @@ def count_agreement():
     """Per drafted position: does the draft's token equal the target's argmax there?
     (Teacher-forced on the draft's own prefix; greedy only.) Counted by wrapping the
     decoder's acceptance function, which sees both token lists."""
-    from specmoe.spec import decoder
+    from specmoe.engine import speculative as decoder
 
     original = decoder.accept_greedy
     tally = {"agreed": 0, "drafted": 0}
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
     import torch
 
     from specmoe import LLM, SamplingParams
-    from specmoe.config import format_bytes
+    from specmoe.base.units import format_bytes
 
     torch.manual_seed(0)
     modes = args.modes.split(",")

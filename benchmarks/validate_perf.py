@@ -26,12 +26,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from specmoe.perf import cost_model
-from specmoe.perf.cost_model import Scenario
-from specmoe.perf.hardware import load_profile
-from specmoe.perf.routing import acceptance_from_trace, fit_routing
-from specmoe.perf.shapes import shape_from_config
-from specmoe.perf.trace import read_trace
+from specmoe.base.trace import read_trace
+from specmoe.costmodel import cost_model
+from specmoe.costmodel.cost_model import Scenario
+from specmoe.costmodel.hardware import load_profile
+from specmoe.costmodel.routing import acceptance_from_trace, fit_routing
+from specmoe.costmodel.shapes import shape_from_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

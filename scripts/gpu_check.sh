@@ -126,7 +126,7 @@ fi
 # a bench stopped by its timeout may leave a trace cut mid-line: keep only traces that read
 timeout 60 $PY - "$WORK"/traces/*.jsonl >>"$LOG" 2>&1 <<'EOF'
 import os, sys
-from specmoe.perf.trace import read_trace
+from specmoe.base.trace import read_trace
 for f in sys.argv[1:]:
     if not os.path.isfile(f):
         continue

@@ -20,7 +20,6 @@ Typical use (from the repository root):
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import hashlib
 import json

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -376,14 +377,27 @@ def assert_policy_run_is_exact(stats: dict, sha: str, budget: int, policy: str) 
         assert stats["transfer_bytes"] > 0
 
 
-def watch_draft_fetches(policy) -> list:
-    """Record every expert fetch the policy issues while drafting (there must be none)."""
-    fetched, original = [], policy.transfer.fetch
+def watch_draft_reads(engine) -> list:
+    """Every expert read from the offload tier while the engine has a draft pass open
+    (there must be none). Watched from outside the policy: the pass scope the engine
+    opens and the store's reads, not the policy's own counters."""
+    reads, open_kinds = [], []
+    store = engine.policy.store
+    original_scope, original_read = engine.pass_scope, store.read_into
 
-    def watched(key):
-        if policy.kind == "draft":
-            fetched.append(key)
-        return original(key)
+    @contextmanager
+    def scope(kind):
+        open_kinds.append(kind)
+        try:
+            with original_scope(kind) as experts:
+                yield experts
+        finally:
+            open_kinds.pop()
 
-    policy.transfer.fetch = watched
-    return fetched
+    def read_into(key, dest):
+        if "draft" in open_kinds:
+            reads.append(key)
+        return original_read(key, dest)
+
+    engine.pass_scope, store.read_into = scope, read_into
+    return reads

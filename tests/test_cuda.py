@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from factories import assert_policy_run_is_exact, random_prompts, watch_draft_reads
 
-from factories import assert_policy_run_is_exact, random_prompts
 from specmoe import LLM, SamplingParams
-from specmoe.checkpoint import Checkpoint
+from specmoe.base.checkpoint import Checkpoint
+from specmoe.base.trace import read_trace
 from specmoe.experts.budget import DeviceBudget
 from specmoe.experts.pool import DevicePool
 from specmoe.experts.store import HostStore, open_store
 from specmoe.experts.transfer import TransferEngine
-from specmoe.perf.trace import read_trace
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -114,8 +114,9 @@ def test_specmoe_draft_moves_no_bytes_on_cuda(cuda_reference, tmp_path):
     trace = tmp_path / "spec.jsonl"
     llm = LLM(model=str(path), device="cuda", policy="specmoe", offload="host", offload_dir=str(tmp_path),
               device_memory=budget, max_batch_size=8, max_model_len=64, trace=str(trace))
+    reads = watch_draft_reads(llm.engine)
     llm.generate(prompts, GREEDY)
-    assert llm.last_stats["draft_transfer_bytes"] == 0
+    assert reads == []
     llm.close()
     _, records = read_trace(trace)
     drafts = [r for r in records if r.kind == "draft"]

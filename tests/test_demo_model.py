@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specmoe import LLM, SamplingParams
-from specmoe.llm import DEMO_MODEL_DIR
+from specmoe.base.paths import DEMO_MODEL_DIR
 
 PROMPTS = [
     "The built-in function len returns",

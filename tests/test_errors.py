@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from factories import corrupt_truncate, drop_tensor, reshape_tensor
 
 

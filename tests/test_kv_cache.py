@@ -15,7 +15,8 @@ def llm(tiny_ckpt):
 
 
 def feed(llm, slot, tokens):
-    return llm.engine.forward_logits([slot], [tokens], rows="all")
+    with llm.engine.pass_scope("prefill") as experts:
+        return llm.engine.forward_logits(experts, [slot], [tokens], rows="all")
 
 
 def test_one_step_of_five_tokens_equals_five_steps_of_one(llm):

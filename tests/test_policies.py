@@ -2,9 +2,8 @@
 the device budget respected, and clear errors for budgets and names that cannot work."""
 
 import pytest
-import torch
-
 from factories import assert_policy_run_is_exact, expert_share_budget, random_prompts
+
 from specmoe import LLM, SamplingParams, SpecMoEError
 
 POLICIES = ["ondemand", "overlap", "caching", "host"]

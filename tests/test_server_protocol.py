@@ -15,14 +15,19 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from specmoe.base.errors import SpecMoEError  # noqa: E402
 from specmoe.engine.scheduler import Scheduler  # noqa: E402
 from specmoe.engine.sequence import Sequence  # noqa: E402
 from specmoe.engine.stats import RunCounters  # noqa: E402
-from specmoe.errors import SpecMoEError  # noqa: E402
 from specmoe.server.app import create_app  # noqa: E402
 from specmoe.server.detok import IncrementalText, releasable  # noqa: E402
-from specmoe.server.protocol import (  # noqa: E402
-    APIError, fallback_chat_prompt, parse_chat, parse_completion, parse_json, render_chat,
+from specmoe.server.protocol import (
+    APIError,
+    fallback_chat_prompt,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    render_chat,
 )
 
 # --- incremental text ----------------------------------------------------------------------------

@@ -1,107 +1,33 @@
-"""The `specmoe` command line: generate, info, bench, simulate, calibrate, serve.
+"""The `specmoe` command line: generate, info, bench, simulate, calibrate, replay, serve.
 
 Every user-fixable problem ends as one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import sys
-from pathlib import Path
 
-from .errors import SpecMoEError
+from .api import LLM
+from .base.errors import SpecMoEError
+from .base.prompts import read_prompts_file
+from .bench import command as bench_command
+from .engine.sampling import SamplingParams
+from .flags import Parser, add_engine_args, engine_options
+from .server import command as serve_command
+from .tools import calibrate as calibrate_command
+from .tools import info as info_command
+from .tools import simulate as simulate_command
+from .tools.replay import command as replay_command
 
-# Feature modules that add their own subcommand with `register(subparsers)`.
-SUBCOMMAND_MODULES = (
-    "specmoe.bench.command",
-    "specmoe.perf.simulate",
-    "specmoe.perf.calibrate",
-    "specmoe.perf.replay",
-    "specmoe.server.command",
-)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump), exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo model)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", type=int, help="CPU compute threads (default: half the cores)")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags that choose the policy and the memory/tier setting."""
-    add_model_args(p)
-    p.add_argument("--policy", default="resident", help="resident | ondemand | overlap | caching | host | specmoe | auto")
-    p.add_argument("--offload", default="disk", help="where offloaded experts live: disk | host (default disk)")
-    p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: a cache dir)")
-    p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
-    p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 2GiB; "
-                   "or 30%%: non-expert weights + KV cache + 30%% of all expert bytes")
-    p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
-    p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (specmoe)")
-    p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")
-    p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
-    p.add_argument("--substitution", default="affinity", help="affinity | random")
-    p.add_argument("--draft-compute", default="device", help="device | host")
-    p.add_argument("--draft-quant", default="auto",
-                   help="auto (int8, else int4 copies of every expert where they fit) | none (the paper's draft) | int8 | int4 | int3")
-    p.add_argument("--cache-fraction", type=float, default=0.1, help="share of each block kept resident (caching)")
-    p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
-
-
-def engine_options(args, max_batch_size: int) -> dict:
-    return dict(
-        device=args.device, dtype=args.dtype, policy=args.policy, offload=args.offload,
-        offload_dir=args.offload_dir, offload_bandwidth=args.offload_bandwidth,
-        device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
-        gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
-        substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
-        cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
-    )
+# Commands that add their own subparser with `register(subparsers)`.
+SUBCOMMANDS = (info_command, bench_command, simulate_command, calibrate_command, replay_command, serve_command)
 
 
 # --- generate --------------------------------------------------------------------------------
 
 
-def read_prompts_file(path: str) -> list:
-    p = Path(path)
-    if not p.is_file():
-        raise SpecMoEError(f"--prompts-file {path}: no such file")
-    prompts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise SpecMoEError(f"{path}:{n}: not a JSON object; each line must be {{\"prompt\": ...}}") from None
-            if "prompt_token_ids" in obj:
-                prompts.append(obj["prompt_token_ids"])
-            elif "prompt" in obj:
-                prompts.append(obj["prompt"])
-            else:
-                raise SpecMoEError(f"{path}:{n}: needs a \"prompt\" or \"prompt_token_ids\" field")
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise SpecMoEError(f"--prompts-file {path} holds no prompts")
-    return prompts
-
-
 def cmd_generate(args) -> int:
-    from .engine.sampling import SamplingParams
-    from .llm import LLM
-
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)
@@ -170,21 +96,6 @@ class _progress:
             self.bar.stop()
 
 
-# --- info ----------------------------------------------------------------------------------
-
-
-def cmd_info(args) -> int:
-    from .info import model_info, render_info
-
-    info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
-                      batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant)
-    if args.json:
-        print(json.dumps(info))
-    else:
-        render_info(info)
-    return 0
-
-
 # --- the parser ------------------------------------------------------------------------------
 
 
@@ -208,23 +119,8 @@ def build_parser() -> Parser:
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    i = sub.add_parser("info", help="describe a model: shape, bytes, what fits in a device budget")
-    add_model_args(i)
-    i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB")
-    i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
-    i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
-    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 draft copies")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(func=cmd_info)
-
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("specmoe"):
-                continue  # that feature is not part of this build
-            raise
-        module.register(sub)
+    for command in SUBCOMMANDS:
+        command.register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The paper's ablations (DESIGN.md §2), each a set of specmoe variants at one batch size.
+"""The paper's ablations (draft set, substitution, N, gamma, ...), each a set of specmoe variants at one batch size.
 
 Every ablation also runs `ondemand` in the same rotation: throughput is reported as a
 ratio to it, and every variant's tokens must equal its tokens (ondemand's equal
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
 
 ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant")
 

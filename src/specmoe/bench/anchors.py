@@ -19,6 +19,8 @@ import gc
 import importlib.util
 import time
 
+import torch
+
 from ..engine.stats import token_ids_sha256
 from .runners import Runner
 
@@ -79,7 +81,6 @@ class TransformersRunner(Runner):
     label = "transformers"
 
     def __init__(self, model_dir, prompts: list[list[int]], batch_size: int, max_tokens: int, device, dtype):
-        import torch
         import transformers
 
         transformers.logging.set_verbosity_error()

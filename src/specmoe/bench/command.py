@@ -8,8 +8,22 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SpecMoEError
-from ..perf import units
+import torch
+
+from ..base.config import OFFLOAD_TIERS, POLICY_NAMES, EngineConfig, ModelConfig, expert_share
+from ..base.errors import SpecMoEError
+from ..base.paths import default_model_dir
+from ..base.prompts import read_prompts_file
+from ..base.units import parse_batch_sizes, parse_rate, parse_size
+from ..flags import add_model_args
+from ..tools.info import model_info
+from . import report
+from .ablation import parse_ablations
+from .anchors import ANCHORS
+from .grid import EXPERT_FRACTION, encode_prompts
+from .machine import machine_info
+from .plot import write_plot
+from .suite import Suite
 
 DEFAULT_POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
 DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
@@ -24,7 +38,6 @@ _PARSER = None  # the bench subparser, to print the exact command back in canoni
 
 def register(subparsers) -> None:
     global _PARSER
-    from ..cli import add_model_args
 
     p = subparsers.add_parser(
         "bench", help="benchmark every policy side by side across batch sizes (table, JSON, plot, BENCHMARKS.md)",
@@ -101,31 +114,20 @@ def _positive(value, flag) -> int:
     return value
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        return units.parse_batch_sizes(text)
-    except ValueError as e:
-        raise SpecMoEError(str(e)) from None
-
-
 def parse_policies(text: str | None, offload: str) -> list[str]:
-    from ..policies import POLICIES
-
     if text is None:
         return list(DEFAULT_POLICIES) + (["host"] if offload == "host" else [])
     names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
-        raise SpecMoEError(f"--policies {text!r}: name at least one of: {', '.join(POLICIES)}")
+        raise SpecMoEError(f"--policies {text!r}: name at least one of: {', '.join(POLICY_NAMES)}")
     for n in names:
-        if n not in POLICIES and n != "auto":
-            raise SpecMoEError(f"unknown policy {n!r} in --policies; choose from: {', '.join(POLICIES)}, auto")
-    if "host" in names and offload != "host":
-        raise SpecMoEError("policy host computes experts in host memory where they live: add --offload host or drop host from --policies")
+        if n not in POLICY_NAMES:
+            raise SpecMoEError(f"unknown policy {n!r} in --policies; choose from: {', '.join(POLICY_NAMES)}")
+        EngineConfig(policy=n, offload=offload)  # the engine's own checks (host needs --offload host)
     return names
 
 
 def parse_anchors(text: str) -> list[str]:
-    from .anchors import ANCHORS
 
     if text == "auto":
         return list(ANCHORS)
@@ -165,10 +167,6 @@ def canonical_command(args) -> str:
 
 
 def settings_from_args(args) -> Settings:
-    from ..config import OFFLOAD_TIERS, EngineConfig, expert_share, parse_rate, parse_size
-    from ..llm import default_model_dir
-    from .ablation import parse_ablations
-    from .grid import EXPERT_FRACTION
 
     if args.offload not in OFFLOAD_TIERS:
         raise SpecMoEError(f"unknown --offload {args.offload!r}; choose one of: {', '.join(OFFLOAD_TIERS)}")
@@ -228,7 +226,6 @@ def settings_from_args(args) -> Settings:
 
 
 def run_bench(args) -> int:
-    import torch
 
     settings = settings_from_args(args)  # every flag is checked before anything runs
     before = torch.get_num_threads()
@@ -239,13 +236,6 @@ def run_bench(args) -> int:
 
 
 def _run_bench(args, s: Settings) -> int:
-    from ..cli import read_prompts_file
-    from ..config import ModelConfig
-    from ..info import model_info
-    from . import report
-    from .grid import encode_prompts
-    from .machine import machine_info
-    from .suite import Suite
 
     cfg = ModelConfig.from_dir(Path(s.model_dir))
     prompts = encode_prompts(read_prompts_file(s.prompts_file), Path(s.model_dir), cfg.vocab_size)
@@ -258,7 +248,6 @@ def _run_bench(args, s: Settings) -> int:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
         print(f"specmoe bench: wrote {args.json}", file=sys.stderr)
     if args.plot:
-        from .plot import write_plot
 
         write_plot(doc, args.plot)
         print(f"specmoe bench: wrote {args.plot}", file=sys.stderr)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
+from ..base.tokenizer import Tokenizer
 
 EXPERT_FRACTION = 0.3  # share of all expert bytes the default budget gives the expert pool
 
@@ -40,7 +41,6 @@ SUMMARY_KEYS = (
 def encode_prompts(prompts: list, model_dir: Path, vocab_size: int) -> list[list[int]]:
     """Token ids of each prompt, with the checkpoint's tokenizer: every system benchmarked
     (each policy, each anchor) then gets exactly the same ids, and tokenizing is not timed."""
-    from ..tokenizer import Tokenizer
 
     tokenizer = None
     out = []

@@ -6,6 +6,8 @@ import datetime as _dt
 import os
 import platform
 
+import torch
+
 
 def cpu_name() -> str:
     try:
@@ -26,7 +28,6 @@ def usable_cores() -> int:
 
 
 def machine_info(device: str | None = None) -> dict:
-    import torch
 
     info = {
         "cpu": cpu_name(),

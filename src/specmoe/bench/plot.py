@@ -46,9 +46,22 @@ def write_plot(doc: dict, path: str) -> None:
 
     records = doc["records"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    c = doc["config"]
+    _throughput(axes[0], records, doc["anchors"])
+    _transfer(axes[1], records, doc["config"]["offload"])
+    _gamma(axes[2], records, doc["ablations"], doc["config"])
+    if not records:
+        for ax in axes[:2]:
+            ax.cla()
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "no policy x batch size grid in this run\n(--no-grid)", ha="center", va="center",
+                    transform=ax.transAxes, color="grey")
+    fig.suptitle(_title(doc), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
-    ax = axes[0]
+
+def _throughput(ax, records, anchors) -> None:
     for policy, pts in _series(records, "decode_tokens_per_s").items():
         xs = [p[0] for p in pts]
         ys = [p[1] for p in pts]
@@ -56,7 +69,7 @@ def write_plot(doc: dict, path: str) -> None:
         hi = [p[2]["over_repeats"].get("decode_tokens_per_s", {}).get("max", p[1]) - p[1] for p in pts]
         ax.errorbar(xs, ys, yerr=[lo, hi], marker=MARKERS.get(policy, "o"), capsize=3, label=policy,
                     linestyle="--" if policy == "resident" else "-")
-    for a in doc["anchors"]:
+    for a in anchors:
         if not a.get("skipped") and "batch_size" in a:
             ax.scatter([a["batch_size"]], [a["decode_tokens_per_s"]], marker="x", s=60, color="black", zorder=5)
             ax.annotate(a["anchor"], (a["batch_size"], a["decode_tokens_per_s"]), fontsize=7,
@@ -70,7 +83,8 @@ def write_plot(doc: dict, path: str) -> None:
     if records:
         ax.legend(fontsize=8)
 
-    ax = axes[1]
+
+def _transfer(ax, records, offload: str) -> None:
     for policy, pts in _series(records, "transfer_bytes_per_token", 1e-6).items():
         pts = [p for p in pts if p[1] > 0]  # resident moves nothing: no point on a log axis
         if pts:
@@ -79,37 +93,23 @@ def write_plot(doc: dict, path: str) -> None:
     ax.set_yscale("log")
     _plain_log_labels(ax)
     ax.set_ylabel("expert bytes moved per generated token (MB/token, log)")
-    ax.set_title(f"Transfer per token ({c['offload']} tier)")
+    ax.set_title(f"Transfer per token ({offload} tier)")
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
         ax.legend(fontsize=8)
 
-    ax = axes[2]
-    gamma = next((e for e in doc["ablations"] if e["ablation"] == "gamma"), None)
+
+def _gamma(ax, records, ablations, config) -> None:
+    """Tokens per step vs gamma: the gamma ablation when it ran, else the grid's points."""
+    gamma = next((e for e in ablations if e["ablation"] == "gamma"), None)
     if gamma:
-        pts = sorted((r["gamma"], r["tokens_per_step"], r.get("acceptance_rate")) for r in gamma["records"]
-                     if not r.get("skipped") and r.get("policy") == "specmoe" and r.get("gamma"))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*", label=f"tokens per step (specmoe, B={gamma['batch_size']})")
-        ax.set_title("Tokens per step and throughput vs gamma (gamma ablation)")
-        thr = sorted((r["gamma"], r["decode_tokens_per_s"]) for r in gamma["records"]
-                     if not r.get("skipped") and r.get("policy") == "specmoe" and r.get("gamma"))
-        base = next((r for r in gamma["records"] if r.get("policy") == "ondemand" and not r.get("skipped")), None)
-        twin = ax.twinx()
-        twin.plot([p[0] for p in thr], [p[1] for p in thr], color="tab:purple", linestyle="--", marker=".",
-                  label="decode tokens/s (specmoe)")
-        if base:
-            twin.axhline(base["decode_tokens_per_s"], color="tab:orange", linestyle="--", linewidth=1,
-                         label="decode tokens/s (ondemand)")
-        twin.set_ylabel("decode throughput (tokens/s)")
-        tops = [p[1] for p in thr] + ([base["decode_tokens_per_s"]] if base else [])
-        twin.set_ylim(0, 1.35 * max(tops + [1.0]))  # headroom: the legends sit at the top
-        twin.legend(fontsize=8, loc="center right")
+        _gamma_ablation(ax, gamma)
     else:
         for r in records:
             if r.get("policy") == "specmoe" and not r.get("skipped") and r.get("gamma"):
                 ax.scatter([r["gamma"]], [r["tokens_per_step"]], label=f"specmoe, B={r['batch_size']}")
         ax.set_title("Tokens per step at the measured gamma\n(--ablation gamma sweeps it)")
-    gmax = max([1] + [ln.get_xdata().max() for ln in ax.lines if len(ln.get_xdata())] + [c.get("gamma", 1)])
+    gmax = max([1] + [ln.get_xdata().max() for ln in ax.lines if len(ln.get_xdata())] + [config.get("gamma", 1)])
     ax.plot([0, gmax], [1, gmax + 1], color="grey", linestyle=":", linewidth=1, label="upper bound (gamma + 1)")
     ax.axhline(1.0, color="grey", linewidth=0.8, label="plain decoding (1)")
     ax.set_xlabel("gamma (draft tokens per step)")
@@ -117,19 +117,31 @@ def write_plot(doc: dict, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax.title.set_fontsize(10)
-    if not records:
-        for ax in axes[:2]:
-            ax.cla()
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, "no policy x batch size grid in this run\n(--no-grid)", ha="center", va="center",
-                    transform=ax.transAxes, color="grey")
 
-    m = doc["machine"]
+
+def _gamma_ablation(ax, gamma: dict) -> None:
+    runs = [r for r in gamma["records"] if not r.get("skipped") and r.get("policy") == "specmoe" and r.get("gamma")]
+    pts = sorted((r["gamma"], r["tokens_per_step"]) for r in runs)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="*", label=f"tokens per step (specmoe, B={gamma['batch_size']})")
+    ax.set_title("Tokens per step and throughput vs gamma (gamma ablation)")
+    thr = sorted((r["gamma"], r["decode_tokens_per_s"]) for r in runs)
+    base = next((r for r in gamma["records"] if r.get("policy") == "ondemand" and not r.get("skipped")), None)
+    twin = ax.twinx()
+    twin.plot([p[0] for p in thr], [p[1] for p in thr], color="tab:purple", linestyle="--", marker=".",
+              label="decode tokens/s (specmoe)")
+    if base:
+        twin.axhline(base["decode_tokens_per_s"], color="tab:orange", linestyle="--", linewidth=1,
+                     label="decode tokens/s (ondemand)")
+    twin.set_ylabel("decode throughput (tokens/s)")
+    tops = [p[1] for p in thr] + ([base["decode_tokens_per_s"]] if base else [])
+    twin.set_ylim(0, 1.35 * max(tops + [1.0]))  # headroom: the legends sit at the top
+    twin.legend(fontsize=8, loc="center right")
+
+
+def _title(doc: dict) -> str:
+    c, m = doc["config"], doc["machine"]
     model = Path(c["model"]["path"]).name
     budget = (f"{c['expert_fraction'] * 100:g} % of expert bytes + non-expert + KV" if c.get("expert_fraction")
               else "fixed --device-memory")
-    fig.suptitle(f"specmoe bench: model {model}, {c['offload']} tier, device budget {budget}, {c['max_tokens']} tokens/prompt, "
-                 f"median of {c['repeats']} — {m['cpu']} ({m['cores']} cores), {m['date'][:10]}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return (f"specmoe bench: model {model}, {c['offload']} tier, device budget {budget}, {c['max_tokens']} tokens/prompt, "
+            f"median of {c['repeats']} — {m['cpu']} ({m['cores']} cores), {m['date'][:10]}")

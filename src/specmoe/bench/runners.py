@@ -1,7 +1,7 @@
 """The things a benchmark times, behind one small interface.
 
 A runner is built once (model loaded, expert file written, pool filled) and then `run()`
-any number of times on the same prompts; each run returns the DESIGN.md §4 statistics and
+any number of times on the same prompts; each run returns the run statistics (`LLM.last_stats`) and
 the generated token ids. Building is never timed; runs of different runners are
 interleaved by `grid.measure`.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 
+from ..api import LLM
 from ..engine.sampling import SamplingParams
 
 
@@ -32,7 +33,6 @@ class PolicyRunner(Runner):
 
     def __init__(self, label: str, model_dir, options: dict, prompts: list[list[int]], params: SamplingParams,
                  fields: dict | None = None):
-        from ..llm import LLM
 
         self.label = label
         self.options = options

@@ -7,12 +7,27 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from ..base.checkpoint import Checkpoint
+from ..engine.engine import resolve_device, resolve_dtype
 from ..engine.sampling import SamplingParams
+from ..policies.specmoe.policy import WORKING_SLOTS
 from . import anchors as anchor_mod
 from .ablation import WHAT, variants
 from .grid import (
-    BUDGET_RULE, Builder, check_outputs, default_budget, matches_reference, max_model_len_for,
-    measure, prompts_for_batch, ratio, summarize, token_agreement, tokps,
+    BUDGET_RULE,
+    Builder,
+    check_outputs,
+    default_budget,
+    matches_reference,
+    max_model_len_for,
+    measure,
+    prompts_for_batch,
+    ratio,
+    summarize,
+    token_agreement,
+    tokps,
 )
 from .runners import PolicyRunner
 
@@ -83,8 +98,6 @@ class Suite:
                        dict(fields or {}))
 
     def _anchor_builder(self, name, prompts, batch, max_len) -> Builder:
-        from ..checkpoint import Checkpoint
-        from ..engine.engine import resolve_device, resolve_dtype
 
         s = self.s
         device = resolve_device(s.device)
@@ -121,7 +134,6 @@ class Suite:
             self.notes.append("--trace-dir: no trace was written (this build's engine does not write traces yet)")
         for bad in mismatches:
             progress.note("OUTPUT MISMATCH: " + bad)
-        import torch
 
         self.machine["torch_threads"] = torch.get_num_threads()  # as the engines set it (--threads)
         return {
@@ -190,7 +202,6 @@ class Suite:
     # --- ablations -----------------------------------------------------------------------------------
 
     def _ablation(self, name: str, progress):
-        from ..policies.specmoe import WORKING_SLOTS
 
         s, info = self.s, self.info
         batch = s.ablation_batch_size

@@ -3,27 +3,33 @@
 One `step()` either prefills newly admitted sequences or advances every running sequence
 by one decode step (plain: one token; speculative: draft + verify, 1..gamma+1 tokens).
 Requests may join and leave between steps (continuous batching).
+
+Every forward pass runs in a pass scope opened on the policy (`policy.pass_scope(kind)`),
+which hands back the ExpertBackend that runs the pass's MoE blocks.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..config import EngineConfig, expert_share
-from ..errors import SpecMoEError
+from ..base.checkpoint import Checkpoint
+from ..base.config import EngineConfig, expert_share
+from ..base.errors import SpecMoEError
+from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy
-from ..tokenizer import Tokenizer
 from .sampling import SamplingParams, sample_token
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import SpeculativeDecoder
 from .stats import RunCounters
+from .tracing import StepTracer
 
 MAX_PREFILL_TOKENS = 4096  # tokens per prefill forward: bounds activation memory
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -46,10 +52,13 @@ def resolve_dtype(name: str, ckpt: Checkpoint, device: torch.device) -> torch.dt
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, options: EngineConfig):
-        self.options = options
+    """`choose(runtime) -> (options, description)` resolves `policy="auto"`: it is given
+    the runtime a policy would be built with (autotune/choose.py; the API passes it in)."""
+
+    def __init__(self, model_dir: str | Path, options: EngineConfig, choose=None):
         self.checkpoint = Checkpoint(model_dir)
         self.config = self.checkpoint.config
+        options.check_model(self.config)
         self.device = resolve_device(options.device)
         if self.device.type == "cpu":
             # Small per-expert matmuls gain little from more threads, and a free core keeps
@@ -73,23 +82,28 @@ class Engine:
             hint=f" ({options.max_batch_size} sequences x {self.max_model_len} positions; "
             "lower --batch-size (serve: --max-batch-size) or --max-model-len to need less)",
         )
-        self.policy = make_policy(
-            options.policy,
-            Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights, self.max_model_len),
-        )
+        runtime = Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights,
+                          self.max_model_len)
+        self.auto_plan = None
+        if options.policy == "auto":
+            if choose is None:
+                raise SpecMoEError("policy auto is chosen by the LLM API; build the engine through specmoe.LLM")
+            options, self.auto_plan = choose(runtime)
+            runtime.options = options
+        self.options = options
+        self.policy = make_policy(runtime)
         self.scheduler = Scheduler(options.max_batch_size)
         self.counters = RunCounters()
         self._next_id = 0
-        self.tracer = None
-        if options.trace:
-            from .tracing import StepTracer
+        self.tracer = StepTracer(options.trace, self) if options.trace else None
+        # under auto, gamma follows measured tokens/s (the plan gives the first value)
+        self.decoder = SpeculativeDecoder(self, options.gamma, tune=self.auto_plan is not None) \
+            if self.policy.speculative else None
 
-            self.tracer = StepTracer(options.trace, self)
-        self._decoder = None
-        if self.policy.speculative:
-            from ..spec.decoder import SpeculativeDecoder
-
-            self._decoder = SpeculativeDecoder(self)
+    @property
+    def gamma(self) -> int | None:
+        """Draft tokens per speculative step now (None without speculation)."""
+        return self.decoder.gamma if self.decoder else None
 
     def _kv_bytes_per_token(self) -> int:
         return self.config.kv_elements_per_token * torch.tensor([], dtype=self.dtype).element_size()
@@ -157,7 +171,7 @@ class Engine:
             running = sorted((s for s in self.scheduler.running if not s.finished), key=lambda s: s.slot)
             if running:
                 t0 = time.perf_counter()
-                produced = self._decoder.step(running) if self._decoder else self._decode(running)
+                produced = self.decoder.step(running) if self.decoder else self._decode(running)
                 self.counters.add_step(time.perf_counter() - t0, len(running), produced)
         done = self.scheduler.retire()
         for seq in done:
@@ -166,41 +180,44 @@ class Engine:
         return done
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        self.policy.begin_pass("prefill")
-        chunk: list[Sequence] = []
+        chunks: list[list[Sequence]] = [[]]
         for seq in seqs:
-            if chunk and sum(len(s.prompt_ids) for s in chunk) + len(seq.prompt_ids) > MAX_PREFILL_TOKENS:
-                self._prefill_chunk(chunk)
-                chunk = []
-            chunk.append(seq)
-        self._prefill_chunk(chunk)
-
-    def _prefill_chunk(self, seqs: list[Sequence]) -> None:
-        logits = self.forward_logits(
-            [s.slot for s in seqs], [s.prompt_ids for s in seqs], rows="last"
-        )
-        for seq, row in zip(seqs, logits):
-            self.append_token(seq, sample_token(row, seq.params, seq.generator))
+            if chunks[-1] and sum(len(s.prompt_ids) for s in chunks[-1]) + len(seq.prompt_ids) > MAX_PREFILL_TOKENS:
+                chunks.append([])
+            chunks[-1].append(seq)
+        with self.pass_scope("prefill") as experts:
+            for chunk in chunks:
+                logits = self.forward_logits(experts, [s.slot for s in chunk], [s.prompt_ids for s in chunk])
+                for seq, row in zip(chunk, logits):
+                    self.append_token(seq, sample_token(row, seq.params, seq.generator))
 
     def _decode(self, seqs: list[Sequence]) -> int:
-        self.policy.begin_pass("decode")
-        logits = self.forward_logits([s.slot for s in seqs], [[s.pending] for s in seqs], rows="last")
+        with self.pass_scope("decode") as experts:
+            logits = self.forward_logits(experts, [s.slot for s in seqs], [[s.pending] for s in seqs])
         for seq, row in zip(seqs, logits):
             self.append_token(seq, sample_token(row, seq.params, seq.generator))
         return len(seqs)
 
-    def forward_logits(self, slots, token_lists, rows="last", experts=None) -> torch.Tensor:
-        """Feed each slot its new tokens; logits [B, V] of each last token ('last') or
-        [T, V] of every new token ('all')."""
+    @contextmanager
+    def pass_scope(self, kind: str):
+        """A pass on the policy (and, with --trace, recorded): yields the ExpertBackend."""
+        if self.tracer:
+            self.tracer.open()
+        with self.policy.pass_scope(kind) as experts:
+            yield self.tracer.wrap(kind, experts) if self.tracer else experts
+
+    def forward_logits(self, experts, slots, token_lists, rows="last") -> torch.Tensor:
+        """Feed each slot its new tokens through the model, MoE blocks run by `experts`
+        (from `pass_scope`); logits [B, V] of each last token ('last') or [T, V] of every
+        new token ('all')."""
         starts = [self.cache.lengths[slot] for slot in slots]
         batch = self.model.step_batch(slots, starts, [len(t) for t in token_lists])
         tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=self.device)
-        backend = experts or self.policy
         if self.tracer:
-            backend = self.tracer.begin(self.policy)
-        hidden = self.model.forward(tokens, batch, self.cache, backend)
+            self.tracer.begin()
+        hidden = self.model.forward(tokens, batch, self.cache, experts)
         if self.tracer:
-            self.tracer.end(self.policy, len(slots), batch.num_tokens)
+            self.tracer.end(len(slots), batch.num_tokens)
         if rows == "last":
             hidden = hidden[batch.last_token_rows()]
         return self.model.logits(hidden)

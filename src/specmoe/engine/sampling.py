@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Run statistics (DESIGN.md §4): counters kept during a run, one dict at its end."""
+"""Run statistics: counters kept during a run, one dict at its end."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from ..spec.history import per_token_acceptance
+
+def per_token_acceptance(accepted: int, rejected: int) -> float | None:
+    """Maximum-likelihood per-token acceptance from speculative steps: each accepted
+    draft is a success, each step that stopped before its last draft one failure."""
+    return accepted / (accepted + rejected) if accepted + rejected else None
 
 
 def token_ids_sha256(outputs: list[list[int]]) -> str:
@@ -38,7 +42,7 @@ class RunCounters:
 
 def summarize(
     *, policy: str, batch_size: int, gamma: int | None, draft_experts: int | None, seqs, counters: RunCounters,
-    wall_s: float, policy_stats: dict, device_peak_bytes: int,
+    wall_s: float, policy_stats: dict, device_peak_bytes: int, device_memory: int | None = None,
 ) -> dict:
     prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
     generated = sum(len(s.output_ids) for s in seqs)
@@ -72,6 +76,7 @@ def summarize(
         "verify_s": counters.verify_s,
         "transfer_bytes": transfer,
         "transfer_bytes_per_token": transfer / generated if generated else 0.0,
+        "device_memory": device_memory,  # the budget in bytes (None: no limit)
         "device_peak_bytes": device_peak_bytes,
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),
     }

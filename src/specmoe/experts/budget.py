@@ -6,8 +6,8 @@ limit is refused with a message that says how much is needed.
 
 from __future__ import annotations
 
-from ..config import format_bytes
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
+from ..base.units import format_bytes
 
 
 class DeviceBudget:

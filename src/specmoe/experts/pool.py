@@ -12,7 +12,8 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
+from ..base.units import format_bytes
 from .budget import DeviceBudget
 
 Key = tuple[int, int]
@@ -84,8 +85,6 @@ class DevicePool:
         expert_bytes = numel * torch.tensor([], dtype=dtype).element_size()
         if num_slots < min_slots:
             need = budget.used + min_slots * expert_bytes
-            from ..config import format_bytes
-
             raise SpecMoEError(
                 f"device memory {format_bytes(budget.limit or 0)} leaves room for {num_slots} experts; policy "
                 f"{policy_name} needs {min_slots}: raise --device-memory to at least {format_bytes(need)}"

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..errors import SpecMoEError
+from ..base.checkpoint import Checkpoint
+from ..base.errors import SpecMoEError
+from ..base.paths import offload_dir
 
 ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical block size
 Key = tuple[int, int]  # (layer, expert)
@@ -101,7 +102,7 @@ class DiskStore(ExpertStore):
         super().__init__(keys, numel, dtype, bandwidth)
         self.blob_size = -(-self.nbytes // ALIGN) * ALIGN
         dtype_name = str(dtype).removeprefix("torch.")
-        base = Path(directory) if directory else default_cache_dir()
+        base = Path(directory) if directory else offload_dir()
         base.mkdir(parents=True, exist_ok=True)
         stem = f"experts-{ckpt.fingerprint()}-{dtype_name}"
         self.path = base / f"{stem}.bin"
@@ -173,12 +174,6 @@ def _open_direct(path: Path) -> tuple[int, bool]:
         except OSError:
             pass  # e.g. tmpfs does not support O_DIRECT
     return os.open(path, os.O_RDONLY), False
-
-
-def default_cache_dir() -> Path:
-    from ..cache import cache_dir
-
-    return cache_dir() / "offload"
 
 
 def open_store(ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, device: torch.device, tier: str,

@@ -9,12 +9,11 @@ the new length are simply overwritten later. Lengths are plain Python bookkeepin
 from __future__ import annotations
 
 import heapq
-
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
 
 
 @dataclass(frozen=True)

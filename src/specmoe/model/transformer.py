@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import Checkpoint
-from ..config import ModelConfig
+from ..base.checkpoint import Checkpoint
+from ..base.config import ModelConfig
 from .kv_cache import KVCache, StepBatch
 from .layers import RotaryTable, apply_rotary, rms_norm, swiglu
 from .moe import ExpertBackend, route

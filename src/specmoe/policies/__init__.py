@@ -1,12 +1,14 @@
-"""Expert placement and movement policies, one small module each, one interface.
+"""Which experts go where and when: one small module per policy, one interface (base.py).
 
-`make_policy(name, runtime)` builds one; `POLICIES` lists the names users may pass.
+`make_policy(runtime)` builds the policy `runtime.options.policy` names; `POLICIES` maps
+the names users may pass (besides `auto`, which the API resolves to one of these before
+the engine is built: autotune/choose.py).
 """
 
 from __future__ import annotations
 
-from ..errors import SpecMoEError
-from .base import Policy, Runtime
+from ..base.errors import SpecMoEError
+from .base import PASS_KINDS, Policy, Runtime
 from .caching import CachingPolicy
 from .host import HostPolicy
 from .ondemand import OnDemandPolicy
@@ -19,19 +21,11 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, runtime: Runtime) -> Policy:
-    if name == "auto":
-        from dataclasses import replace
-
-        from .auto import choose
-
-        chosen, options, plan = choose(runtime)
-        policy = POLICIES[chosen](replace(runtime, options=options))
-        policy.auto_plan = plan.describe()
-        return policy
+def make_policy(runtime: Runtime) -> Policy:
+    name = runtime.options.policy
     if name not in POLICIES:
-        raise SpecMoEError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}, auto")
+        raise SpecMoEError(f"policy {name!r} must be resolved before the engine is built; choose one of: {', '.join(POLICIES)}")
     return POLICIES[name](runtime)
 
 
-__all__ = ["POLICIES", "Policy", "Runtime", "make_policy"]
+__all__ = ["PASS_KINDS", "POLICIES", "Policy", "Runtime", "make_policy"]

@@ -1,20 +1,32 @@
 """The policy interface.
 
 A policy decides where routed experts are when a MoE block runs and how they get there.
-It is the model's `ExpertBackend` (run_moe / after_layer) and keeps its own counters.
-Decoding strategy (plain or speculative) is the engine's, chosen by `speculative`.
+Every forward pass runs inside a pass scope the engine opens on the policy:
+
+    with policy.pass_scope("verify") as experts:   # begin_pass: the pass's ExpertBackend
+        model.forward(tokens, batch, cache, experts)
+                                                   # end_pass, when the pass succeeded
+
+Kinds: `prefill`, `decode` (plain), `draft` and `verify` (speculative). A policy that
+runs some passes differently (SpecMoE's draft) returns a different backend for them;
+no mode flag is read while a block runs. Whether decoding is plain or speculative is
+the engine's choice, made from `speculative`.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from ..checkpoint import Checkpoint
-from ..config import ModelConfig
+from ..base.checkpoint import Checkpoint
+from ..base.config import EngineConfig, ModelConfig
 from ..experts.budget import DeviceBudget
-from ..model.moe import Routing
+from ..model.moe import ExpertBackend, Routing
+
+PASS_KINDS = ("prefill", "decode", "draft", "verify")
 
 
 @dataclass
@@ -26,7 +38,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     budget: DeviceBudget
-    options: object  # the EngineConfig (policy-specific knobs live there)
+    options: EngineConfig  # policy-specific knobs live there
     weights: object = None  # the ModelWeights (routers and norms, for policies that predict routing)
     max_model_len: int = 2048  # KV positions reserved per sequence
 
@@ -52,6 +64,22 @@ class Policy:
         self.runtime = runtime
         self.config = runtime.config
 
+    # --- passes ------------------------------------------------------------------------
+    @contextmanager
+    def pass_scope(self, kind: str) -> Iterator[ExpertBackend]:
+        if kind not in PASS_KINDS:
+            raise ValueError(f"unknown pass kind {kind!r}")
+        experts = self.begin_pass(kind)
+        yield experts
+        self.end_pass(kind)
+
+    def begin_pass(self, kind: str) -> ExpertBackend:
+        """Prepare a pass; return what runs its MoE blocks (the policy itself by default)."""
+        return self
+
+    def end_pass(self, kind: str) -> None:
+        pass
+
     # --- ExpertBackend -----------------------------------------------------------------
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         raise NotImplementedError
@@ -59,27 +87,17 @@ class Policy:
     def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
         pass
 
-    # --- lifecycle ---------------------------------------------------------------------
-    kind = "prefill"
-
-    def begin_pass(self, kind: str) -> None:
-        """kind: 'prefill' | 'decode' | 'draft' | 'verify'."""
-        self.kind = kind
+    # --- bookkeeping ---------------------------------------------------------------------
+    def draft_sets(self) -> dict[int, list[int]]:
+        """The experts a speculative draft uses per block (traces record them)."""
+        return {}
 
     def reset_stats(self) -> None:
         pass
 
-    auto_plan: str | None = None  # set when `auto` chose this policy
-
     def stats(self) -> dict:
         """Policy counters merged into the run statistics."""
         return {"transfer_bytes": 0, "cache_hit_rate": 1.0}
-
-    def run_stats(self) -> dict:
-        stats = self.stats()
-        if self.auto_plan:
-            stats.update(auto_choice=self.name, auto_plan=self.auto_plan)
-        return stats
 
     def close(self) -> None:
         pass

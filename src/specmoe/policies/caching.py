@@ -39,10 +39,10 @@ class CachingPolicy(OffloadPolicy):
         if self.hot is None:
             self.profile[layer] += torch.bincount(routing.ids.reshape(-1).cpu(), minlength=self.config.num_experts)
 
-    def begin_pass(self, kind: str) -> None:
-        super().begin_pass(kind)
+    def begin_pass(self, kind: str):
         if kind != "prefill" and self.hot is None and self.profile.sum() > 0:
-            self.choose_hot_set()
+            self.choose_hot_set()  # the prompts have been seen: profiling is over
+        return super().begin_pass(kind)
 
     def choose_hot_set(self) -> None:
         k = self.hot_per_block(self.config, self.runtime.options.cache_fraction)

@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecMoEError
 from ..model.moe import Routing, group_by_expert
 from .caching import CachingPolicy
 
 
 class HostPolicy(CachingPolicy):
     name = "host"
-
-    def __init__(self, runtime):
-        if runtime.options.offload != "host":
-            raise SpecMoEError("policy host computes experts where they live and needs --offload host (not disk)")
-        super().__init__(runtime)
 
     def pool_slots_wanted(self) -> int:
         return self.min_slots(self.config, self.runtime.options)  # the hot set; the rest runs on the host
@@ -26,4 +20,6 @@ class HostPolicy(CachingPolicy):
         self.count_picks(layer, routing)
         groups = group_by_expert(routing, self.config.num_experts)
         resident = {e for e in groups.experts if (layer, e) in self.pool.table}
-        return self.run_block(layer, x, groups, on_host=set(groups.experts) - resident)
+        out = self.blocks.run_block(layer, x, groups, on_host=set(groups.experts) - resident)
+        self.blocks.finish_block(layer, keep=True)
+        return out

@@ -7,15 +7,15 @@ import socket
 import sys
 from pathlib import Path
 
-from ..errors import SpecMoEError
+from ..api import LLM
+from ..base.errors import SpecMoEError
+from ..flags import add_engine_args, engine_options
 
 DEMO_MODEL_NAME = "specmoe-demo"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def register(subparsers) -> None:
-    from ..cli import add_engine_args
-
     p = subparsers.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API (continuous batching, streaming)",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
@@ -60,12 +60,9 @@ def run_serve(args) -> int:
     try:
         import uvicorn
 
-        from .app import create_app
+        from .app import create_app  # fastapi: an optional dependency
     except ModuleNotFoundError as exc:
         raise SpecMoEError(f"specmoe serve needs {exc.name}: pip install 'specmoe[serve]'") from None
-    from ..cli import engine_options
-    from ..llm import LLM
-
     if args.max_batch_size < 1:
         raise SpecMoEError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     api_key = args.api_key or os.environ.get("SPECMOE_API_KEY") or None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SpecMoEError
+from ..base.errors import SpecMoEError
 from .detok import IncrementalText
 from .protocol import APIError
 
@@ -140,7 +140,9 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        # a loop that has failed is dead even while its thread is still failing the
+        # requests it held: /health must say 503 and no new request may be queued
+        return self._thread.is_alive() and self.error is None
 
     def submit(self, handle: RequestHandle) -> None:
         if not self.alive:

@@ -14,8 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ..base.errors import SpecMoEError
 from ..engine.sampling import SamplingParams
-from ..errors import SpecMoEError
 
 MAX_BODY_BYTES = 1 << 20  # request bodies above this get 413
 MAX_STOP_STRINGS = 4  # as OpenAI

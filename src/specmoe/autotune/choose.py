@@ -1,0 +1,161 @@
+"""`--policy auto`: the cost model picks the policy and its parameters (gamma, the kind of
+draft) for this model, this machine and this batch; speculation is simply one candidate,
+off where it does not pay (the paper notes that plain caching is slightly faster at
+batch 1).
+
+`choose(runtime)` is what the API hands the engine to resolve `auto` before any policy
+is built. The machine's profile comes from `specmoe calibrate` (name `local`, measured
+once and saved on first use when missing); the tier's read rate is capped by
+`offload_bandwidth` when that emulation is on. Earlier runs' measured acceptance
+(history.py) and tokens/s (speeds.py) correct the model. While decoding, the engine's
+GammaTuner adapts gamma to measured tokens/s.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from ..base.errors import SpecMoEError
+from ..base.paths import cache_dir
+from ..costmodel.cost_model import Scenario
+from ..costmodel.hardware import load_profile, save_profile
+from ..costmodel.planner import candidates, plan
+from ..costmodel.routing import DEFAULT_ACCEPTANCE
+from ..costmodel.shapes import shape_of
+from ..experts.quant import expert_nbytes
+from ..policies.caching import CachingPolicy
+from ..policies.specmoe import WORKING_SLOTS
+from . import history, speeds
+from .calibrate import calibrate, disk_variant
+
+LOCAL_PROFILE = "local"
+
+
+def machine_profile(tier: str, bandwidth: float | None):
+    """This machine's calibrated profile for experts on `tier` (calibrated once if missing)."""
+    profile = _saved_profile(tier)
+    if profile is None:
+        print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
+        measured, m = calibrate(LOCAL_PROFILE, cache_dir() / "calibrate", 64 << 20)
+        save_profile(measured, m)
+        if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
+            save_profile(disk_variant(measured, m), m)
+        profile = _saved_profile(tier) or measured
+    if bandwidth:
+        profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))
+    return profile
+
+
+def _saved_profile(tier: str):
+    """'local-disk' on a GPU machine; on a CPU-only one 'local' already has the disk as its slow tier."""
+    for name in (LOCAL_PROFILE + "-disk", LOCAL_PROFILE) if tier == "disk" else (LOCAL_PROFILE,):
+        try:
+            profile = load_profile(name)
+        except ValueError:
+            continue
+        if profile.slow_tier == tier:
+            return profile
+    return None
+
+
+CANDIDATES = ("ondemand", "overlap", "caching", "specmoe")
+
+
+def _model_inputs(runtime):
+    """(shape, plan keyword arguments) for this runtime, as the planner sees it."""
+    opts = runtime.options
+    shape = shape_of(runtime.config, runtime.checkpoint.dir.name)
+    shape = replace(shape, bytes_per_param=runtime.expert_bytes / runtime.config.expert_params)
+    memory = runtime.budget.available() if runtime.budget.limit is not None else None
+    # mean cached positions: half the length reserved per sequence (sequences grow into
+    # it); the KV the model then counts stays inside what the engine reserved
+    kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=max(1, runtime.max_model_len // 2),
+                  cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory),
+                  **_draft_knowledge(runtime))
+    return shape, kwargs
+
+
+def choose(runtime) -> tuple:
+    """(EngineConfig with the chosen policy and its knobs, a one-line description of the
+    plan) for this runtime's model and budget."""
+    opts = runtime.options
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth)
+    policies = CANDIDATES + (("host",) if opts.offload == "host" else ())
+    shape, kwargs = _model_inputs(runtime)
+    corrections = _corrections(runtime, shape, hardware, kwargs, policies)
+    try:
+        chosen = plan(shape, hardware, opts.max_batch_size, policies=policies, corrections=corrections, **kwargs)
+    except ValueError as exc:
+        raise SpecMoEError(f"policy auto: {exc}") from None
+    overrides = {"policy": chosen.policy}
+    if chosen.policy == "specmoe":
+        # gamma (then tuned online) and the kind of draft from the plan; how many
+        # full-precision draft experts fit beside it is specmoe's own choice from the budget
+        overrides.update(gamma=chosen.gamma, draft_quant=chosen.draft_quant or "auto")
+    return replace(opts, **overrides), chosen.describe()
+
+
+def _corrections(runtime, shape, hardware, kwargs, policies) -> dict[str, float]:
+    """Per policy: tokens/s measured here (speeds.py) at the recorded batch size
+    nearest to the planned one, over what the model predicts there now."""
+    opts = runtime.options
+    sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
+    acceptance = kwargs.get("acceptance") or DEFAULT_ACCEPTANCE
+    out = {}
+    for policy in policies:
+        seen = speeds.measured(runtime.checkpoint.fingerprint(), opts.offload, policy, opts.max_batch_size)
+        if seen is None:
+            continue
+        batch, speed = seen
+        plans = candidates(sc, batch, acceptance, kwargs.get("acceptance_draft_experts", 4), kwargs["cache_fraction"],
+                           (policy,), kwargs["quant_acceptance"], kwargs["draft_quants"], kwargs["cache_lru_slots"])
+        predicted = max((c.estimate.decode_tokens_per_s for c in plans), default=0.0)
+        if predicted > 0:
+            out[policy] = speed / predicted
+    return out
+
+
+def _draft_knowledge(runtime) -> dict:
+    """What the planner may assume about each draft: quantized drafts with their
+    measured acceptance (else the priors); the paper's draft only once a run has
+    measured it on this model (its acceptance ranges from 10 % to 90 % across models)."""
+    seen = history.measured(runtime.checkpoint.fingerprint())
+    quant = {k: v for k, v in seen.items() if not k.startswith("none@")}
+    paper = sorted((int(k.split("@")[1]), v) for k, v in seen.items() if k.startswith("none@"))
+    mode = _quantized_draft(runtime)
+    quantized = (mode,) if mode else ()
+    if not paper:
+        return {"quant_acceptance": quant, "draft_quants": quantized}
+    n, a = paper[-1]
+    return {"quant_acceptance": quant, "draft_quants": quantized + ("none",), "acceptance": a,
+            "acceptance_draft_experts": n}
+
+
+def _quantized_draft(runtime) -> str | None:
+    """The quantized draft specmoe's `--draft-quant auto` would take in this budget (the
+    most precise that fits beside two working slots), or None. The planner plans that
+    one rather than choosing between bit widths itself: which dequantizes faster is a
+    kernel detail the cost model does not know."""
+    c, budget = runtime.config, runtime.budget
+    free = budget.available() if budget.limit is not None else None
+    for mode in ("int8", "int4"):
+        need = expert_nbytes(c.hidden_size, c.expert_intermediate_size, mode) * len(runtime.expert_keys)
+        if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
+            return mode
+    return None
+
+
+def _plan_memory(runtime, available):
+    """The planner budgets whole-model bytes: give it what the engine's ledger would allow."""
+    if available is None:
+        return None
+    return int(available + runtime.budget.used)
+
+
+def _lru_slots(runtime, available) -> int:
+    """Pool slots the caching policy would run as an LRU beside its pinned hot set."""
+    total = len(runtime.expert_keys)
+    slots = total if available is None else min(total, available // runtime.expert_bytes)
+    hot = CachingPolicy.hot_per_block(runtime.config, runtime.options.cache_fraction) * len(runtime.config.moe_layer_ids)
+    return max(0, slots - hot)

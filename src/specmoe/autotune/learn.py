@@ -1,0 +1,20 @@
+"""After a run: keep what it measured for the next `--policy auto` plan."""
+
+from __future__ import annotations
+
+from . import history, speeds
+from .choose import CANDIDATES
+
+
+def learn_from_run(engine, stats: dict) -> None:
+    """Record the draft's per-token acceptance (speculative runs) and the policy's decode
+    tokens/s (offloading policies `auto` chooses between), keyed by checkpoint."""
+    policy, fingerprint = engine.policy, engine.checkpoint.fingerprint()
+    acceptance = stats.get("acceptance_per_token")
+    if policy.speculative and acceptance is not None:
+        key = history.draft_key(policy.draft_quant, policy.draft_experts)
+        history.record(fingerprint, key, acceptance, engine.counters.drafted)
+    if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4:
+        # shorter runs say nothing about speed
+        speeds.record(fingerprint, engine.options.offload, policy.name, stats["batch_size"],
+                      stats["decode_tokens_per_s"])

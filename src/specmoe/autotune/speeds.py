@@ -1,0 +1,43 @@
+"""How fast each policy really ran on this machine: `--policy auto` corrects the cost
+model with it.
+
+A cost model fitted on seconds of probing is off by tens of percent for some policy and
+batch size on a shared machine (BENCHMARKS.md, validation); ranking policies whose
+predictions are that close needs measurements. Every run of an offloading policy records
+its decode tokens/s per (model, tier, policy, batch size) in ``<cache dir>/speeds.json``
+(the last RECENT runs). When planning, each policy's prediction is scaled by
+measured / predicted at the recorded batch size nearest to the one planned, both taken
+now: speeds are kept, not ratios, so a new calibration does not leave stale corrections
+behind. Nothing recorded: the model alone (a fresh machine).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..base.paths import read_json, write_json
+
+FILE = "speeds.json"
+RECENT = 8
+
+
+def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: float) -> None:
+    """Keep a run's decode tokens/s."""
+    if not tokens_per_s > 0:
+        return
+    data = read_json(FILE)
+    runs = data.setdefault(fingerprint, {}).setdefault(f"{tier}/{policy}", {}).setdefault(str(batch), [])
+    runs.append(float(tokens_per_s))
+    del runs[:-RECENT]
+    write_json(FILE, data)  # a read-only cache dir: plans use the model alone
+
+
+def measured(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, float] | None:
+    """(recorded batch size nearest to `batch` in log scale, median tokens/s there), or None."""
+    by_batch = read_json(FILE).get(fingerprint, {}).get(f"{tier}/{policy}", {})
+    runs = {int(b): r for b, r in by_batch.items() if isinstance(r, list) and r}
+    if not runs:
+        return None
+    nearest = min(runs, key=lambda b: abs(math.log(b) - math.log(batch)))
+    return nearest, float(statistics.median(runs[nearest]))

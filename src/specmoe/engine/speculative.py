@@ -1,0 +1,95 @@
+"""One speculative step for the whole running batch: draft, verify, accept, roll back.
+
+KV invariant (as in plain decoding): before and after a step, a sequence's cache holds
+its prompt and all its generated tokens but the last (`pending`). Drafting writes
+provisional K/V at positions L .. L+g-1 (L = cache length); verification rewrites
+L .. L+g with the full model's K/V; the cache is then cut to L + accepted + 1.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .acceptance import accept_greedy, accept_sampled
+from .gamma import GammaTuner
+from .sampling import target_probs
+
+
+class SpeculativeDecoder:
+    """Owns gamma: fixed, or (`tune`) adapted to measured tokens/s by a GammaTuner."""
+
+    def __init__(self, engine, gamma: int, tune: bool = False):
+        self.engine = engine
+        self.gamma = gamma
+        self.tuner = GammaTuner(gamma) if tune else None
+
+    def draft_lengths(self, seqs) -> list[int]:
+        """gamma, or fewer near max_tokens or the end of the context (never wasted)."""
+        limit = self.engine.max_model_len
+        return [max(0, min(self.gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
+
+    def step(self, seqs) -> int:
+        engine, cache, counters = self.engine, self.engine.cache, self.engine.counters
+        starts = [cache.lengths[s.slot] for s in seqs]
+        lengths = self.draft_lengths(seqs)
+
+        t0 = time.perf_counter()
+        drafts, draft_probs = self._draft(seqs, lengths)
+        for seq, start in zip(seqs, starts):
+            cache.truncate(seq.slot, start)  # verification rewrites these positions
+        t1 = time.perf_counter()
+
+        fed = [[s.pending] + d for s, d in zip(seqs, drafts)]
+        with engine.pass_scope("verify") as experts:
+            logits = engine.forward_logits(experts, [s.slot for s in seqs], fed, rows="all")
+        produced = 0
+        accepted_lengths = []
+        for seq, start, draft, q, rows in zip(seqs, starts, drafts, draft_probs, torch.split(logits, [len(f) for f in fed])):
+            if seq.params.greedy:
+                targets = rows.argmax(-1).tolist()
+                accepted, nxt = accept_greedy(draft, targets)
+                counters.agreed += sum(d == t for d, t in zip(draft, targets))  # teacher-forced agreement
+            else:
+                p = target_probs(rows, seq.params).cpu()
+                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, seq.generator)
+            cache.truncate(seq.slot, start + accepted + 1)
+            counters.drafted += len(draft)
+            counters.accepted += accepted
+            counters.rejected += accepted < len(draft)
+            accepted_lengths.append(accepted)
+            for token in draft[:accepted] + [nxt]:
+                produced += 1
+                if engine.append_token(seq, token):
+                    break
+        if engine.tracer:
+            engine.tracer.flush(accepted_lengths)
+        t2 = time.perf_counter()
+        counters.draft_s += t1 - t0
+        counters.verify_s += t2 - t1
+        if self.tuner and max(lengths, default=0) == self.gamma:  # a full step, not cut short
+            self.gamma = self.tuner.update(produced, t2 - t0)
+        return produced
+
+    def _draft(self, seqs, lengths):
+        """gamma autoregressive steps with the draft experts only."""
+        engine = self.engine
+        drafts = [[] for _ in seqs]
+        probs = [[] for _ in seqs]
+        current = [s.pending for s in seqs]
+        with engine.pass_scope("draft") as experts:
+            for k in range(max(lengths, default=0)):
+                active = [i for i, g in enumerate(lengths) if g > k]
+                logits = engine.forward_logits(experts, [seqs[i].slot for i in active], [[current[i]] for i in active])
+                for i, row in zip(active, logits):
+                    seq = seqs[i]
+                    if seq.params.greedy:
+                        token = int(row.argmax())
+                    else:
+                        q = target_probs(row, seq.params).cpu()
+                        token = int(torch.multinomial(q, 1, generator=seq.generator))
+                        probs[i].append(q)
+                    drafts[i].append(token)
+                    current[i] = token
+        return drafts, probs

@@ -1,0 +1,445 @@
+"""Quantized copies of routed experts, for drafting.
+
+Every expert of every MoE block gets a low-bit copy on the device so that the draft can
+follow the model's own routing with no substitution; verification still runs the
+full-precision experts, so the output stays exactly the full model's.
+
+Format (per matrix W [out, in], `in` the input dimension):
+  per-group symmetric quantization along `in`, group g = 128 or 64 (whichever divides
+  `in`, else the whole row): s = max|W_group| / qmax (stored float16),
+  q = clamp(round(W / s), -qmax - 1, qmax), W ~= q * s.
+  int8: q as int8.  int4 / int3: q + 2^(bits-1) as unsigned codes, packed 8 codes into
+  `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
+An expert is two matrices, as in the full-precision buffer: gate_up [2I, D] (gate rows
+first) and down [D, I].
+
+That format is what is cached and what `quant_error_report` measures. On the device the
+draft holds each matrix either in it (dequantized to the compute dtype once per call,
+then F.linear) or, for int4 on the CPU, in the layout of torch's fused int4 matmul
+(`Int4KernelMatrix`): the same codes and scales, multiplied without a dequantized copy.
+
+Shapes: D hidden, I expert intermediate, E experts per block, n experts used.
+
+Computed once per model and cached next to the affinity table, keyed by the
+checkpoint's fingerprint and the mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..base.checkpoint import Checkpoint
+from ..base.errors import SpecMoEError
+from ..model.layers import swiglu
+from ..model.moe import expert_views
+
+QUANT_MODES = ("none", "int8", "int4", "int3")
+BITS = {"int8": 8, "int4": 4, "int3": 3}
+GROUP_SIZES = (128, 64)  # preferred group sizes along the input dimension, first that divides
+SCALE_DTYPE = torch.float16
+FORMAT_VERSION = 1  # part of the cache file name: bump when the layout changes
+
+
+def check_mode(mode: str) -> None:
+    if mode not in QUANT_MODES:
+        raise SpecMoEError(f"unknown draft_quant {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+
+
+def group_size(in_features: int) -> int:
+    return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
+
+
+# --- packing (codes are unsigned, < 2**bits) ---------------------------------------------
+# Planar layouts, so that unpacking writes long contiguous runs (an interleaving stack
+# of two nibbles is ~10x slower on the CPU than the shifts themselves):
+#   int4: n codes -> n/2 bytes, byte i = code i | code (i + n/2) << 4   (two per byte)
+#   int3: n codes -> 3 planes of n/8 bytes; word i = plane0[i] | plane1[i] << 8 | plane2[i] << 16
+#         holds codes i, i + n/8, ..., i + 7n/8, three bits each
+# n is padded to a multiple of 8 (codes 0) before packing.
+
+
+def packed_size(n: int, bits: int) -> int:
+    """Bytes of n codes: int8 one each; packed modes 8 codes in `bits` bytes."""
+    return n if bits == 8 else -(-n // 8) * bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., n] -> packed uint8 [..., packed_size(n, bits)]."""
+    pad = -codes.shape[-1] % 8
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    if bits == 4:
+        lo, hi = codes.chunk(2, dim=-1)
+        return (lo | (hi << 4)).contiguous()
+    planes = codes.reshape(*codes.shape[:-1], 8, -1).to(torch.int32)  # [..., 8, n/8]
+    word = torch.zeros_like(planes[..., 0, :])
+    for j in range(8):
+        word |= planes[..., j, :] << (bits * j)
+    out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(bits)], dim=-2)  # [..., bits, n/8]
+    return out.to(torch.uint8).reshape(*codes.shape[:-1], -1).contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Inverse of `pack`: the first n codes [..., n], converted to `dtype` on the way out."""
+    lead = packed.shape[:-1]
+    m = packed.shape[-1] * 8 // bits  # padded count
+    out = torch.empty(*lead, m, dtype=dtype, device=packed.device)
+    if bits == 4:
+        half = m // 2
+        out[..., :half].copy_(packed & 0x0F)
+        out[..., half:].copy_(packed >> 4)
+    else:
+        planes = packed.reshape(*lead, bits, m // 8).to(torch.int32)
+        word = planes[..., 0, :]
+        for k in range(1, bits):
+            word = word | (planes[..., k, :] << (8 * k))
+        mask = (1 << bits) - 1
+        view = out.view(*lead, 8, m // 8)
+        for j in range(8):
+            view[..., j, :].copy_((word >> (bits * j)) & mask)
+    return out[..., :n]
+
+
+# --- one matrix -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedMatrix:
+    """W [..., out, in] quantized per group along `in`; leading dims (experts) allowed."""
+
+    data: torch.Tensor  # int8 [..., out, in] (int8), or uint8 [..., packed_size(out * in)] (int4, int3)
+    scales: torch.Tensor  # float16 [..., out, in / group]
+    bits: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.scales.shape[-2]
+
+    @property
+    def group(self) -> int:
+        return self.in_features // self.scales.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def select(self, index) -> QuantizedMatrix:
+        """The matrices of the experts `index` (an int, or a long tensor over the leading dim)."""
+        return QuantizedMatrix(self.data[index], self.scales[index], self.bits, self.in_features)
+
+    def to(self, device) -> QuantizedMatrix:
+        return QuantizedMatrix(self.data.to(device), self.scales.to(device), self.bits, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W ~= q * s in `dtype`, one buffer, scaled in place."""
+        out, groups = self.scales.shape[-2:]
+        if self.bits == 8:
+            w = self.data.to(dtype)
+        else:
+            w = unpack(self.data, self.bits, out * self.in_features, dtype)
+            w = w.reshape(*w.shape[:-1], out, self.in_features)  # a copy only if padding was cut off
+            w.sub_(1 << (self.bits - 1))
+        w.view(*w.shape[:-1], groups, self.in_features // groups).mul_(self.scales.to(dtype)[..., None])
+        return w
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T, W dequantized to x's dtype once for the call."""
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes of one dequantized matrix (alive during `linear`)."""
+        return self.out_features * self.in_features * torch.tensor([], dtype=dtype).element_size()
+
+
+# torch's fused int4 weight-only matmul on the CPU (the kernel behind gpt-fast's int4):
+# W = (q_u - 8) * s + z per group, bf16 activations. An order of magnitude faster than
+# unpacking and dequantizing in separate ops, and it needs no dequantized scratch.
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def int4_kernel_fits(device: torch.device, bits: int, out_features: int, group: int) -> bool:
+    return (torch.device(device).type == "cpu" and bits == 4 and out_features % 16 == 0
+            and group in INT4_KERNEL_GROUPS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+@dataclass(frozen=True)
+class Int4KernelMatrix:
+    """An int4 QuantizedMatrix in the layout of torch's CPU int4 matmul."""
+
+    packed: torch.Tensor  # uint8 [..., out, in / 2], torch's CPU int4pack layout
+    scales_zeros: torch.Tensor  # bfloat16 [..., in / group, out, 2]: (scale, 0)
+    group: int
+    in_features: int
+
+    @classmethod
+    def from_quantized(cls, q: QuantizedMatrix) -> Int4KernelMatrix:
+        out = q.out_features
+        lead = q.scales.shape[:-2]
+        codes = unpack(q.data, 4, out * q.in_features).reshape(-1, out, q.in_features).to(torch.int32)
+        packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in codes])
+        scales = q.scales.to(torch.bfloat16).transpose(-1, -2)  # [..., groups, out]
+        scales_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1)
+        return cls(packed.reshape(*lead, *packed.shape[1:]).contiguous(), scales_zeros.contiguous(), q.group,
+                   q.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+
+    def select(self, index) -> Int4KernelMatrix:
+        return Int4KernelMatrix(self.packed[index], self.scales_zeros[index], self.group, self.in_features)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
+        return y.to(x.dtype)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+
+def device_layout(q: QuantizedMatrix, device) -> QuantizedMatrix | Int4KernelMatrix:
+    """The matrix as the draft will hold it on `device`: the fused int4 kernel's layout where
+    it applies, else the portable format (dequantized per call)."""
+    if int4_kernel_fits(device, q.bits, q.out_features, q.group):
+        return Int4KernelMatrix.from_quantized(q)
+    return q.to(device)
+
+
+def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
+    """Symmetric per-group quantization of w [..., out, in] (any float dtype)."""
+    in_features = w.shape[-1]
+    g = group_size(in_features)
+    qmax = (1 << (bits - 1)) - 1
+    w32 = w.float().reshape(*w.shape[:-1], in_features // g, g)
+    amax = w32.abs().amax(-1)
+    tiny = torch.finfo(SCALE_DTYPE).tiny
+    scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).clamp(tiny, torch.finfo(SCALE_DTYPE).max)
+    scales = scales.to(SCALE_DTYPE)
+    # Round against the stored (float16) scale so that dequantization reproduces q * s.
+    q = torch.round(w32 / scales.float()[..., None]).clamp(-qmax - 1, qmax).reshape(w.shape)
+    if bits == 8:
+        data = q.to(torch.int8)
+    else:
+        codes = (q + (1 << (bits - 1))).to(torch.uint8)
+        data = pack(codes.reshape(*w.shape[:-2], -1), bits)
+    return QuantizedMatrix(data.contiguous(), scales.contiguous(), bits, in_features)
+
+
+# --- experts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizedExpert:
+    """One expert's (or, with a leading dim, several experts') quantized matrices."""
+
+    gate_up: QuantizedMatrix | Int4KernelMatrix  # [(n,) 2I, D]
+    down: QuantizedMatrix | Int4KernelMatrix  # [(n,) D, I]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def select(self, index) -> QuantizedExpert:
+        return QuantizedExpert(self.gate_up.select(index), self.down.select(index))
+
+    def to(self, device) -> QuantizedExpert:
+        """For the draft on `device` (the fused int4 layout where it applies)."""
+        return QuantizedExpert(device_layout(self.gate_up, device), device_layout(self.down, device))
+
+    def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Portable format only."""
+        return self.gate_up.dequantize(dtype), self.down.dequantize(dtype)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return max(self.gate_up.scratch_bytes(dtype), self.down.scratch_bytes(dtype))
+
+
+def quantize_expert(buffer: torch.Tensor, hidden: int, inter: int, bits: int) -> QuantizedExpert:
+    """Quantize a full-precision expert buffer [gate | up | down]."""
+    gate_up, down = expert_views(buffer, hidden, inter)
+    return QuantizedExpert(quantize_matrix(gate_up, bits), quantize_matrix(down, bits))
+
+
+def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert) -> torch.Tensor:
+    """SwiGLU expert on x [T, D]: down(silu(gate x) * up x), each matrix dequantized to x's
+    dtype once per call (or multiplied by the fused int4 kernel), result in x's dtype."""
+    gate, up = qexpert.gate_up.linear(x).chunk(2, dim=-1)
+    return qexpert.down.linear(F.silu(gate) * up)
+
+
+def expert_nbytes(hidden: int, inter: int, mode: str) -> int:
+    """Device bytes of one quantized expert (data + scales), without building it."""
+    if mode == "none":
+        return 0
+    bits = BITS[mode]
+    scale_size = torch.tensor([], dtype=SCALE_DTYPE).element_size()
+
+    def matrix(out: int, in_features: int) -> int:
+        data = packed_size(out * in_features, bits)
+        return data + out * (in_features // group_size(in_features)) * scale_size
+
+    return matrix(2 * inter, hidden) + matrix(hidden, inter)
+
+
+class QuantizedExperts:
+    """Quantized copies of experts, stacked per MoE block: layer -> QuantizedExpert [E, ...]."""
+
+    def __init__(self, mode: str, layers: dict[int, QuantizedExpert], hidden: int, inter: int):
+        self.mode = mode
+        self.layers = layers
+        self.hidden, self.inter = hidden, inter
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.layers.values())
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes of the largest matrix one quantized expert call dequantizes (0 with the fused kernel)."""
+        return max((q.select(0).scratch_bytes(dtype) for q in self.layers.values()), default=0)
+
+    def expert(self, layer: int, e: int) -> QuantizedExpert:
+        return self.layers[layer].select(e)
+
+    def to(self, device) -> QuantizedExperts:
+        return QuantizedExperts(self.mode, {l: q.to(device) for l, q in self.layers.items()}, self.hidden, self.inter)
+
+    def forward(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        return quantized_expert_forward(x, self.expert(layer, e))
+
+    # safetensors: "{layer}.{gate_up|down}.{data|scales}"
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for layer, q in self.layers.items():
+            for part, m in (("gate_up", q.gate_up), ("down", q.down)):
+                out[f"{layer}.{part}.data"] = m.data.contiguous()
+                out[f"{layer}.{part}.scales"] = m.scales.contiguous()
+        return out
+
+    @classmethod
+    def from_state_dict(cls, mode: str, tensors: dict[str, torch.Tensor], hidden: int, inter: int) -> QuantizedExperts:
+        bits = BITS[mode]
+        layers = {}
+        for layer in sorted({int(k.split(".")[0]) for k in tensors}):
+            gu = QuantizedMatrix(tensors[f"{layer}.gate_up.data"], tensors[f"{layer}.gate_up.scales"], bits, hidden)
+            dn = QuantizedMatrix(tensors[f"{layer}.down.data"], tensors[f"{layer}.down.scales"], bits, inter)
+            layers[layer] = QuantizedExpert(gu, dn)
+        return cls(mode, layers, hidden, inter)
+
+
+def compute_quantized(ckpt: Checkpoint, mode: str, layers=None) -> QuantizedExperts:
+    """Quantize every expert of the given MoE blocks (default all), one block in memory at a time."""
+    c = ckpt.config
+    bits = BITS[mode]
+    hidden, inter = c.hidden_size, c.expert_intermediate_size
+    out = {}
+    for layer in layers if layers is not None else c.moe_layer_ids:
+        weights = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
+        gate_up = weights[:, : 2 * inter * hidden].view(c.num_experts, 2 * inter, hidden)
+        down = weights[:, 2 * inter * hidden :].view(c.num_experts, hidden, inter)
+        out[layer] = QuantizedExpert(quantize_matrix(gate_up, bits), quantize_matrix(down, bits))
+    return QuantizedExperts(mode, out, hidden, inter)
+
+
+def cache_path(ckpt: Checkpoint, mode: str, cache_dir: Path) -> Path:
+    return Path(cache_dir) / f"quant-v{FORMAT_VERSION}-{mode}-{ckpt.fingerprint()}.safetensors"
+
+
+def load_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path | None) -> QuantizedExperts:
+    """All experts quantized (on the CPU), from the cache when there, else computed and cached."""
+    check_mode(mode)
+    if mode == "none":
+        raise SpecMoEError("draft_quant none has no quantized copies")
+    c = ckpt.config
+    if cache_dir is None:
+        return compute_quantized(ckpt, mode)
+    path = cache_path(ckpt, mode, cache_dir)
+    if path.is_file():
+        try:
+            q = QuantizedExperts.from_state_dict(mode, load_file(str(path)), c.hidden_size, c.expert_intermediate_size)
+            if set(q.layers) == set(c.moe_layer_ids):
+                return q
+        except Exception:  # a damaged or foreign cache file: recompute it
+            pass
+    q = compute_quantized(ckpt, mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(q.state_dict(), str(tmp), metadata={"mode": mode, "format": str(FORMAT_VERSION)})
+    tmp.replace(path)
+    return q
+
+
+def quantize_all(ckpt: Checkpoint, keys, mode: str, dtype: torch.dtype, cache_dir: Path | None,
+                 device: torch.device | str = "cpu") -> QuantizedExperts:
+    """Quantized copies of the experts `keys` [(layer, e)] (whole blocks are kept stacked:
+    the keys' blocks, all their experts), on `device`. `dtype` is the compute dtype the
+    copies dequantize to; the stored format does not depend on it."""
+    del dtype  # the format is dtype-independent; quantized_expert_forward follows x's dtype
+    q = load_quantized(ckpt, mode, cache_dir)
+    wanted = {layer for layer, _ in keys}
+    q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.hidden, q.inter)
+    return q.to(device)
+
+
+# --- quality report ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def quant_error_report(ckpt: Checkpoint, mode: str, inputs: dict[int, torch.Tensor] | None = None,
+                       num_tokens: int = 256, seed: int = 0, cache_dir: Path | None = None) -> list[dict]:
+    """Per MoE block: relative L2 error ||y_q - y|| / ||y|| of the experts' outputs.
+
+    `inputs`: layer -> x [T, D], the block's inputs (e.g. held-out tokens' post-norm
+    hidden states); by default `num_tokens` standard-normal rows (RMS-normed hidden states
+    have unit scale before the norm weight). Every expert runs on every row, in float32.
+    """
+    check_mode(mode)
+    c = ckpt.config
+    hidden, inter = c.hidden_size, c.expert_intermediate_size
+    q = load_quantized(ckpt, mode, cache_dir) if mode != "none" else None
+    gen = torch.Generator().manual_seed(seed)
+    full_bytes = c.expert_params * 2  # bf16, the usual checkpoint precision, for the ratio
+    rows = []
+    for layer in c.moe_layer_ids:
+        if inputs is not None and layer in inputs:
+            x = inputs[layer].float().reshape(-1, hidden)
+            source = "given"
+        else:
+            x = torch.randn(num_tokens, hidden, generator=gen)
+            source = "random"
+        errors, weight_errors = [], []
+        for e in range(c.num_experts):
+            buf = ckpt.expert_buffer(layer, e, torch.float32)
+            gu, dn = expert_views(buf, hidden, inter)
+            y = swiglu(x, gu, dn)
+            if q is None:
+                errors.append(0.0)
+                weight_errors.append(0.0)
+                continue
+            qe = q.expert(layer, e)
+            yq = quantized_expert_forward(x, qe)
+            errors.append(float((yq - y).norm() / y.norm().clamp_min(1e-30)))
+            dq = torch.cat([m.reshape(-1) for m in qe.dequantize(torch.float32)])
+            weight_errors.append(float((dq - buf).norm() / buf.norm().clamp_min(1e-30)))
+        qbytes = expert_nbytes(hidden, inter, mode)
+        rows.append({
+            "layer": layer,
+            "mode": mode,
+            "bits": BITS.get(mode, 16),
+            "group_size_gate_up": group_size(hidden),
+            "group_size_down": group_size(inter),
+            "inputs": source,
+            "tokens": int(x.shape[0]),
+            "mean_rel_l2": sum(errors) / len(errors),
+            "max_rel_l2": max(errors),
+            "worst_expert": max(range(len(errors)), key=errors.__getitem__),
+            "weight_rel_l2": sum(weight_errors) / len(weight_errors),
+            "bytes_per_expert": qbytes if mode != "none" else full_bytes,
+            "fraction_of_bf16": (qbytes / full_bytes) if mode != "none" else 1.0,
+        })
+    return rows

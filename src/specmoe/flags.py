@@ -1,0 +1,53 @@
+"""Command-line flags shared by the commands that build an engine (generate, serve,
+bench), and the parser class every command uses."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo model)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--threads", type=int, help="CPU compute threads (default: half the cores)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that choose the policy and the memory/tier setting."""
+    add_model_args(p)
+    p.add_argument("--policy", default="resident", help="resident | ondemand | overlap | caching | host | specmoe | auto")
+    p.add_argument("--offload", default="disk", help="where offloaded experts live: disk | host (default disk)")
+    p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: a cache dir)")
+    p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
+    p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 24G "
+                   "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "
+                   "+ 30%% of all expert bytes")
+    p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
+    p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (specmoe)")
+    p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")
+    p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
+    p.add_argument("--substitution", default="affinity", help="affinity | random")
+    p.add_argument("--draft-compute", default="device", help="device | host")
+    p.add_argument("--draft-quant", default="auto",
+                   help="auto (int8, else int4 copies of every expert where they fit) | none (the paper's draft) | int8 | int4 | int3")
+    p.add_argument("--cache-fraction", type=float, default=0.1, help="share of each block kept resident (caching)")
+    p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
+
+
+def engine_options(args, max_batch_size: int) -> dict:
+    return dict(
+        device=args.device, dtype=args.dtype, policy=args.policy, offload=args.offload,
+        offload_dir=args.offload_dir, offload_bandwidth=args.offload_bandwidth,
+        device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
+        gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
+        substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
+        cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
+    )

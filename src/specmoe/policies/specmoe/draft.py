@@ -1,0 +1,50 @@
+"""The draft pass's experts: the model's own router, unchanged, over what the device holds.
+
+Per block, a pick is computed with
+- the full-precision draft expert, when the pick is one (pinned in the device pool);
+- else, with quantized copies of every expert, the pick's quantized copy (the draft then
+  routes exactly like the full model);
+- else, with `draft_compute="host"`, the expert itself on the host, where it lives;
+- else the substitute the policy's map names (nearest by affinity, or random).
+Nothing here fetches: a draft pass moves no expert bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ...model.moe import Routing, combine, group_by_expert, run_expert
+
+
+class Drafter:
+    """The ExpertBackend of draft passes; reads the policy's draft sets and substitutes."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        c = policy.config
+        self.hidden, self.inter, self.num_experts = c.hidden_size, c.expert_intermediate_size, c.num_experts
+
+    def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        p = self.policy
+        # the draft's own picks predict what verification will need
+        p.predicted.setdefault(layer, Counter()).update(routing.ids.reshape(-1).tolist())
+        if p.runtime.options.draft_compute == "host":
+            groups = group_by_expert(routing, self.num_experts)
+            return p.blocks.run_block(layer, x, groups, on_host=set(groups.experts) - set(p.draft[layer]))
+        if p.quantized is None:
+            routing = routing.with_ids(p.substitute[layer][routing.ids])
+        groups = group_by_expert(routing, self.num_experts)
+        resident = set(p.draft[layer])
+        outputs = [self._expert(layer, e, x[t], e in resident) for e, t in zip(groups.experts, groups.tokens)]
+        return combine(x, groups, outputs)
+
+    def _expert(self, layer: int, e: int, xs: torch.Tensor, resident: bool) -> torch.Tensor:
+        p = self.policy
+        if resident:
+            return run_expert(p.pool.slot_tensor((layer, e)), xs, self.hidden, self.inter)
+        return p.quantized.forward(layer, e, xs)
+
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        pass

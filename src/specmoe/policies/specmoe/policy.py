@@ -1,0 +1,192 @@
+"""`specmoe`: self-assisted speculative decoding, the expert side (the engine runs the
+draft / verify / accept loop: engine/speculative.py).
+
+Draft passes run the model's own router over the draft experts of each block (`Drafter`,
+draft.py): N full-precision experts pinned in the device pool, with picks outside them
+substituted (affinity or random), computed on the host (`draft_compute="host"`), or taken
+from quantized copies of every expert. No expert bytes move while drafting. The verify
+pass is an ordinary offloaded pass over B x (gamma + 1) positions whose fetches are
+prefetched in the order the draft's own router picks predicted. After it, the N experts
+each block selected most often become the next draft set (temporal hotness); they were
+just fetched, so the refresh normally moves nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ...base.paths import offload_dir
+from ...experts.quant import quantize_all
+from ...model.moe import Routing
+from ..offload import OffloadPolicy
+from .affinity import load_affinity, substitution_map
+from .draft import Drafter
+from .draft_set import HotnessCounter, random_draft_set
+
+WORKING_SLOTS = 2  # slots beyond the draft sets, for streaming verification's fetches
+
+
+class SpecMoEPolicy(OffloadPolicy):
+    name = "specmoe"
+    speculative = True
+
+    @classmethod
+    def min_slots(cls, config, options) -> int:
+        # with quantized copies of every expert the draft needs no full-precision one
+        n = options.draft_experts or (0 if options.draft_quant != "none" else 1)
+        return n * len(config.moe_layer_ids) + WORKING_SLOTS
+
+    @classmethod
+    def default_draft_experts(cls, config, slots: int) -> int:
+        """The most experts per block that fit beside the working slots, at most a quarter of a block."""
+        return max(1, min(config.num_experts // 4, (slots - WORKING_SLOTS) // len(config.moe_layer_ids)))
+
+    def __init__(self, runtime):
+        opts, c = runtime.options, runtime.config
+        cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
+        self.quantized, self.quantized_bytes = None, 0
+        self.draft_quant = self._reserve_quantized(runtime, cache)
+        super().__init__(replace(runtime, options=replace(opts, draft_quant=self.draft_quant)))  # auto, resolved
+        if self.quantized is not None:
+            # full-precision draft experts where the budget allows: possibly none
+            fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.moe_layer_ids)
+            default = max(0, min(c.num_experts // 4, fits))
+        else:
+            default = self.default_draft_experts(c, self.pool.num_slots)
+        self.draft_experts = opts.draft_experts or default
+        self.rng = random.Random(0)
+        self.draft: dict[int, list[int]] = {}  # block -> its draft experts (pinned in the pool)
+        self.substitute: dict[int, torch.Tensor] = {}  # block -> [E] expert each pick becomes
+        self.affinity = None
+        if opts.substitution == "affinity" and opts.draft_compute == "device" and self.quantized is None:
+            self.affinity = load_affinity(runtime.checkpoint, cache)
+        self.hotness = HotnessCounter(c.num_layers, c.num_experts)
+        self.drafter = Drafter(self)
+
+    def _reserve_quantized(self, runtime, cache) -> str:
+        """Quantized copies of every expert for the draft, reserved before the pool is sized.
+
+        `auto` (the default) takes the most precise copies that leave room for the working
+        slots: int8, else int4, else none (the paper's draft of resident experts only)."""
+        opts = runtime.options
+        modes = ("int8", "int4") if opts.draft_quant == "auto" and opts.draft_compute == "device" else (opts.draft_quant,)
+        for mode in modes:
+            if mode in ("none", "auto"):
+                break
+            quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, mode, runtime.dtype, cache, runtime.device)
+            need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
+            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.expert_bytes:
+                continue  # does not fit beside the working slots: try fewer bits
+            runtime.budget.reserve(
+                "quantized draft experts", quantized.nbytes,
+                hint=f" ({mode} copies of all {len(runtime.expert_keys)} experts; a lower-bit --draft-quant needs less)",
+            )
+            if quantized.scratch_bytes(runtime.dtype):
+                runtime.budget.reserve("quantized draft scratch", quantized.scratch_bytes(runtime.dtype))
+            self.quantized, self.quantized_bytes = quantized, quantized.nbytes
+            return mode
+        return "none"
+
+    # --- counters ------------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.refresh_fetches = 0
+        self.predicted: dict[int, Counter] = {}  # block -> the draft's own picks in this cycle
+        self.prefetch_hits = self.prefetch_predicted = self.prefetch_needed = 0
+
+    def stats(self) -> dict:
+        s = super().stats()
+        opts = self.runtime.options
+        s.update(
+            draft_set=opts.draft_set, substitution=opts.substitution, draft_compute=opts.draft_compute,
+            draft_quant=self.draft_quant,
+            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.expert_bytes,
+            draft_quantized_bytes=self.quantized_bytes,
+            refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
+            prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
+            prefetch_recall=self.prefetch_hits / self.prefetch_needed if self.prefetch_needed else None,
+        )
+        return s
+
+    # --- passes --------------------------------------------------------------------------
+
+    def begin_pass(self, kind: str):
+        if kind == "draft":
+            self.predicted = {}
+            self._fetches_before_draft = self.transfer.fetches
+            return self.drafter
+        if kind == "verify":
+            self._prefetch_predicted()
+            if self.runtime.options.draft_set == "temporal-hot":
+                self.hotness.reset()  # the next draft set comes from this pass alone
+        return self
+
+    def end_pass(self, kind: str) -> None:
+        if kind == "prefill" and not self.draft:
+            self.refresh()  # the first draft set, from the prefill's routing
+        if kind == "draft" and self.transfer.fetches != self._fetches_before_draft:
+            raise RuntimeError("internal: a draft pass fetched experts; drafting must move no expert bytes")
+        if kind == "verify":
+            self.predicted = {}
+            if self.runtime.options.draft_set == "temporal-hot":
+                self.refresh()
+
+    def _prefetch_predicted(self) -> None:
+        """Prefetch what the draft's own (unsubstituted) picks predict, block by block, the
+        most demanded first; the rest is fetched on demand."""
+        queue = []
+        for layer in sorted(self.predicted):
+            queue += [(layer, e) for e, _ in self.predicted[layer].most_common() if not self.transfer.has((layer, e))]
+        self.blocks.prefetch(queue)
+
+    def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """A full-model block (prefill or verify): count what it picks, fetch what it lacks."""
+        if layer in self.predicted:  # a verify pass after drafting: how good was the prediction
+            needed = set(torch.unique(routing.ids).tolist())
+            predicted = set(self.predicted[layer])
+            self.prefetch_hits += len(needed & predicted)
+            self.prefetch_predicted += len(predicted)
+            self.prefetch_needed += len(needed)
+        self.hotness.add(layer, routing.ids)
+        return super().run_moe(layer, x, routing)
+
+    # --- the draft set ---------------------------------------------------------------------
+
+    def draft_sets(self) -> dict[int, list[int]]:
+        return self.draft
+
+    def refresh(self) -> None:
+        """Make the N hottest experts of each block (or the configured choice) the draft set."""
+        opts, c, n = self.runtime.options, self.config, self.draft_experts
+        table = self.pool.table
+        new = {}
+        for layer in c.moe_layer_ids:
+            if opts.draft_set == "random" or (self.draft and opts.draft_set == "global-hot"):
+                new[layer] = self.draft.get(layer) or random_draft_set(c.num_experts, n, self.rng)
+            else:
+                new[layer] = self.hotness.hottest(layer, n, tie_break=self.draft.get(layer))
+        for layer, experts in self.draft.items():
+            for e in experts:
+                table.unpin((layer, e))
+        for layer, experts in new.items():
+            for e in experts:
+                if not self.transfer.has((layer, e)):
+                    self.refresh_fetches += 1
+                self.transfer.ensure((layer, e))
+                table.pin((layer, e))
+            if self.quantized is None:  # with quantized copies nothing is substituted (and N may be 0)
+                self.substitute[layer] = self._substitution(layer, experts)
+        self.draft = new
+
+    def _substitution(self, layer: int, experts: list[int]) -> torch.Tensor:
+        if self.affinity is not None:
+            return substitution_map(self.affinity[layer], experts).to(self.runtime.device)
+        E = self.config.num_experts
+        mapping = [e if e in experts else self.rng.choice(experts) for e in range(E)]
+        return torch.tensor(mapping, dtype=torch.long, device=self.runtime.device)

@@ -1,1 +1,0 @@
-"""How tokens are proposed and verified: draft sets, affinity substitution, acceptance."""

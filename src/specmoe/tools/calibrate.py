@@ -1,0 +1,70 @@
+"""`specmoe calibrate`: measure this machine and save it as a hardware profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..autotune.calibrate import calibrate, disk_variant
+from ..base.errors import SpecMoEError
+from ..base.paths import cache_dir
+from ..base.units import format_rate, parse_size
+from ..costmodel.hardware import builtin_profile_names, save_profile
+
+
+class CalibrateError(SpecMoEError):
+    """Bad input to `specmoe calibrate`: one line, exit code 2."""
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("calibrate", help="measure this machine and save a hardware profile",
+                              description="Measure disk, memory, matmul (and, with CUDA, PCIe and GPU) rates and "
+                                          "save them as a hardware profile for --hardware NAME.")
+    p.add_argument("--dir", metavar="PATH", help="directory for the disk test file (default: a temporary dir "
+                                                 "under the specmoe cache dir; put it on the disk experts live on)")
+    p.add_argument("--name", default="local", help="profile name (default: local)")
+    p.add_argument("--size", default="256MiB", help="disk test file size (default: 256MiB)")
+    p.add_argument("--json", action="store_true", help="print the profile and measurements as JSON")
+    p.add_argument("--no-engine-probe", action="store_true",
+                   help="skip timing the engine on the bundled demo model (CPU-only machines; the profile then "
+                        "holds raw matmul and memory rates, which overstate what a small model attains)")
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def run_calibrate(args) -> int:
+    try:
+        size = parse_size(args.size)
+        if args.name in builtin_profile_names() or not args.name or "/" in args.name:
+            raise CalibrateError(f"bad --name {args.name!r}: choose a name that is not a built-in profile "
+                                 f"({', '.join(builtin_profile_names())}) and has no '/'")
+        directory = Path(args.dir) if args.dir else cache_dir() / "calibrate"
+        profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe)
+        path = save_profile(profile, m)
+        extra = save_profile(disk_variant(profile, m), m) if profile.slow_tier == "host" else None
+    except (ValueError, OSError) as e:
+        print(f"specmoe calibrate: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"profile": profile.to_dict(), "measurements": m, "path": str(path)}, indent=2))
+    else:
+        print(f"disk read {format_rate(m['disk_read_bw'])} ({m['disk_method']}, "
+              f"{m['disk_best_chunk'] >> 20} MiB reads), host memory {format_rate(m['host_mem_bw'])}, "
+              f"CPU matmul fp32 {m['host_matmul_flops_fp32'] / 1e9:.0f} GFLOP/s, "
+              f"bf16 {m['host_matmul_flops_bf16'] / 1e9:.0f} GFLOP/s")
+        if "h2d_pinned_bw" in m:
+            print(f"{m['cuda_device']}: host->device pinned {format_rate(m['h2d_pinned_bw'])}, pageable "
+                  f"{format_rate(m['h2d_pageable_bw'])}, matmul bf16 {m['gpu_matmul_flops_bf16'] / 1e12:.0f} "
+                  f"TFLOP/s, memory {format_rate(m['gpu_mem_bw'])}")
+        if "engine_kernel_launch_s" in m:
+            print(f"engine on the demo model: {m['engine_kernel_launch_s'] * 1e6:.1f} us per operator, "
+                  f"{m['engine_sequence_overhead_s'] * 1e6:.0f} us per sequence, matmul "
+                  f"{m['engine_device_matmul_flops'] / 1e9:.0f} GFLOP/s attained; fit error "
+                  f"{m['engine_fit_rms_rel_error']:.0%} rms over {m['engine_fit_passes']} passes"
+                  + (f"; an expert fetch costs {m['engine_fetch_s'] * 1e3:.2f} ms" if "engine_fetch_s" in m else ""))
+        print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
+        if extra:
+            print(f"saved profile {profile.name}-disk (experts on this disk) to {extra}")
+    return 0

@@ -1,0 +1,117 @@
+"""`specmoe info`: a model's shape, its bytes by kind, and what fits in a device budget."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..base.checkpoint import Checkpoint
+from ..base.config import EngineConfig, expert_share
+from ..base.paths import default_model_dir
+from ..base.units import format_bytes, parse_size
+from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
+from ..experts.quant import quant_error_report
+from ..flags import add_model_args
+from ..policies import POLICIES
+
+
+def register(subparsers) -> None:
+    i = subparsers.add_parser("info", help="describe a model: shape, bytes, what fits in a device budget")
+    add_model_args(i)
+    i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB, 24G (GiB) or 30%%")
+    i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
+    i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
+    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 draft copies")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=run_info)
+
+
+def run_info(args) -> int:
+    info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
+                      batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        render_info(info)
+    return 0
+
+
+def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
+               draft_quant=None) -> dict:
+    ckpt = Checkpoint(Path(model) if model else default_model_dir())
+    c = ckpt.config
+    compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
+    elem = torch.tensor([], dtype=compute_dtype).element_size()
+    non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.names if not ckpt.is_routed_expert(n))
+    expert_bytes = c.expert_params * elem
+    num_experts_total = len(c.moe_layer_ids) * c.num_experts
+    max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
+    kv_per_token = c.kv_elements_per_token * elem
+    info = {
+        "path": str(ckpt.dir),
+        "family": c.family.name,
+        "architecture": c.architecture,
+        "dtype": str(compute_dtype).removeprefix("torch."),
+        "checkpoint_dtype": c.torch_dtype,
+        "layers": c.num_layers,
+        "moe_layers": len(c.moe_layer_ids),
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "experts_per_block": c.num_experts,
+        "top_k": c.top_k,
+        "shared_expert": c.shared_expert_intermediate_size > 0,
+        "expert_bytes": expert_bytes,
+        "expert_bytes_total": expert_bytes * num_experts_total,
+        "non_expert_bytes": non_expert_params * elem,
+        "kv_bytes_per_token": kv_per_token,
+        "max_position_embeddings": c.max_position_embeddings,
+    }
+    if draft_quant and draft_quant != "none":
+        # relative L2 error of each block's expert outputs with quantized copies (random inputs)
+        info["draft_quant_error"] = {
+            row["layer"]: {"mean_rel_l2": round(row["mean_rel_l2"], 4), "max_rel_l2": round(row["max_rel_l2"], 4),
+                           "bytes_per_expert": row["bytes_per_expert"]}
+            for row in quant_error_report(ckpt, draft_quant)
+        }
+    if device_memory is not None:
+        kv = kv_per_token * batch_size * max_len
+        share = expert_share(device_memory)
+        if share is None:
+            budget = parse_size(device_memory, "--device-memory")
+        else:
+            budget = int(info["non_expert_bytes"] + kv + share * info["expert_bytes_total"])
+        free = budget - info["non_expert_bytes"] - kv
+        fit = max(0, int(free // expert_bytes))
+        per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
+        info["device_memory"] = budget
+        info["kv_reserved_bytes"] = kv
+        info["kv_reserved_for"] = f"{batch_size} sequences x {max_len} positions"
+        info["experts_fit"] = min(fit, num_experts_total)
+        info["experts_fit_per_block"] = per_block
+        info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
+    return info
+
+
+def _policies_that_fit(config, slots: int, total: int) -> dict[str, str]:
+    verdicts = {}
+    for name, cls in POLICIES.items():
+        need = cls.min_slots(config, EngineConfig(offload="host" if name == "host" else "disk"))
+        verdicts[name] = "fits" if slots >= need else f"needs room for {need} experts"
+    return verdicts
+
+
+def render_info(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    for key, value in info.items():
+        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory",):
+            value = f"{format_bytes(value)} ({value:,} B)"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k}: {v}" for k, v in value.items())
+        table.add_row(key, str(value))
+    Console().print(table)

@@ -1,0 +1,64 @@
+"""`specmoe calibrate`: measures, saves a profile, and the profile loads by name."""
+
+import argparse
+import json
+
+import pytest
+
+from specmoe.autotune import calibrate
+from specmoe.costmodel.hardware import load_profile
+from specmoe.tools import calibrate as calibrate_command
+
+
+def run(argv, capsys):
+    parser = argparse.ArgumentParser(prog="specmoe")
+    calibrate_command.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calibrate", *argv])
+    rc = args.func(args)
+    return (rc, *capsys.readouterr())
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_calibrate_saves_a_loadable_profile(tmp_path, capsys):
+    rc, out, err = run(["--dir", str(tmp_path / "disk"), "--name", "testbox", "--size", "16MiB", "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    m = doc["measurements"]
+    assert m["disk_read_bw"] > 0 and m["host_mem_bw"] > 0 and m["host_matmul_flops_fp32"] > 0
+    assert m["disk_file_bytes"] == 16 << 20
+    p = load_profile("testbox")
+    assert p.slow_tier_read_bw > 0 and p.to_dict() == doc["profile"]
+    # the engine probe ran on the demo model and its fit is the profile's compute side
+    assert m["engine_fit_passes"] >= 10 and m["engine_fit_rms_rel_error"] < 0.5
+    assert p.kernel_launch_s == m["engine_kernel_launch_s"] and p.device_mem_bw == m["engine_device_mem_bw"]
+    assert m["engine_fetch_s"] > 0 and p.transfer_latency_s > 0
+    assert not list((tmp_path / "disk").iterdir())  # the test file is removed
+
+
+def test_calibrate_refuses_a_builtin_name(capsys):
+    rc, out, err = run(["--name", "h100-pcie5", "--size", "16MiB"], capsys)
+    assert rc == 2 and "built-in" in err
+
+
+def test_cuda_measurements_make_a_host_tier_gpu_profile_and_a_disk_variant():
+    m = {"host_matmul_flops_bf16": 2e12, "host_matmul_flops_fp32": 1e12, "host_mem_bw": 300e9,
+         "host_copy_bw": 150e9, "host_op_overhead_s": 2e-6, "host_threads": 32, "disk_read_bw": 6e9,
+         "disk_latency_s": 1e-4, "cuda_device": "NVIDIA H200", "cuda_memory_bytes": 141 * 2**30,
+         "h2d_pinned_bw": 50e9, "h2d_pageable_bw": 20e9, "h2d_latency_s": 8e-6,
+         "gpu_matmul_flops_bf16": 700e12, "gpu_mem_bw": 4e12, "gpu_launch_s": 4e-6}
+    p = calibrate.build_profile("gpubox", m, cuda=True)
+    assert (p.slow_tier, p.fetch_bw, p.device_matmul_flops, p.h2d_pageable_bw) == ("host", 50e9, 700e12, 20e9)
+    d = calibrate.disk_variant(p, m)
+    assert (d.name, d.slow_tier, d.fetch_bw) == ("gpubox-disk", "disk", 6e9)
+
+
+def test_cpu_measurements_make_the_cpu_the_device_and_the_disk_the_slow_tier():
+    m = {"host_matmul_flops_bf16": 5e11, "host_matmul_flops_fp32": 2e11, "host_mem_bw": 20e9,
+         "host_copy_bw": 10e9, "host_op_overhead_s": 3e-6, "host_threads": 2, "disk_read_bw": 1.6e9,
+         "disk_latency_s": 1e-4}
+    p = calibrate.build_profile("cpubox", m, cuda=False)
+    assert (p.slow_tier, p.fetch_bw, p.device_matmul_flops, p.device_mem_bw) == ("disk", 1.6e9, 5e11, 20e9)

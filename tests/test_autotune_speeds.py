@@ -1,0 +1,77 @@
+"""Measured / predicted speed per policy (perf/feedback.py) and how auto's planner uses it."""
+
+from dataclasses import replace
+
+import pytest
+
+from specmoe.autotune import speeds as feedback
+from specmoe.base.paths import DEMO_MODEL_DIR
+from specmoe.costmodel.hardware import load_profile
+from specmoe.costmodel.planner import plan
+from specmoe.costmodel.shapes import load_shape
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """A fresh cache dir per test: no profile, no history, whatever ran before."""
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+
+def test_measured_speed_is_the_median_at_the_nearest_batch_size():
+    assert feedback.measured("m", "disk", "caching", 16) is None  # nothing recorded
+    for tokens_per_s in (50, 60, 70):
+        feedback.record("m", "disk", "caching", 1, tokens_per_s)
+    feedback.record("m", "disk", "caching", 64, 200)
+    assert feedback.measured("m", "disk", "caching", 2) == (1, pytest.approx(60))
+    assert feedback.measured("m", "disk", "caching", 32) == (64, pytest.approx(200))
+    assert feedback.measured("m", "host", "caching", 1) is None  # another tier
+    assert feedback.measured("other", "disk", "caching", 1) is None  # another model
+
+
+def test_only_the_most_recent_runs_count():
+    for tokens_per_s in [500.0] * 3 + [100.0] * feedback.RECENT:
+        feedback.record("m", "disk", "ondemand", 4, tokens_per_s)
+    assert feedback.measured("m", "disk", "ondemand", 4) == (4, 100.0)
+
+
+def test_measurements_that_contradict_the_model_change_the_plan():
+    shape = replace(load_shape(str(DEMO_MODEL_DIR)), bytes_per_param=4)
+    hw = load_profile("h100-pcie5")
+    kw = dict(policies=("ondemand", "overlap", "caching"), context_len=64)
+    first = plan(shape, hw, 16, **kw)
+    slower = {first.policy: 0.1}
+    second = plan(shape, hw, 16, corrections=slower, **kw)
+    assert second.policy != first.policy
+    assert second.decode_tokens_per_s == pytest.approx(second.estimate.decode_tokens_per_s)
+
+
+def test_an_offloading_run_records_its_speed_and_auto_plans_with_it(tiny_ckpt, tmp_path):
+    from factories import random_prompts
+
+    from specmoe import LLM, SamplingParams
+    from specmoe.costmodel.hardware import save_profile
+
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(4, min_len=3, max_len=10, seed=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    opts = dict(model=str(path), device="cpu", offload="disk", offload_dir=str(tmp_path), max_batch_size=4,
+                max_model_len=32)
+    llm = LLM(policy="ondemand", **opts)
+    fingerprint = llm.engine.checkpoint.fingerprint()
+    llm.generate(prompts, params)
+    llm.close()
+    batch, speed = feedback.measured(fingerprint, "disk", "ondemand", 4)
+    assert batch == 4 and speed == pytest.approx(llm.last_stats["decode_tokens_per_s"])
+
+    # a profile that makes ondemand look best; measurements that say it is 1000x slower
+    save_profile(replace(load_profile("h100-pcie5-ssd"), name="local", slow_tier="disk"))
+
+    def chosen():
+        llm = LLM(policy="auto", **opts)
+        name = llm.engine.policy.name
+        llm.close()
+        return name
+
+    first = chosen()
+    for _ in range(3):
+        feedback.record(fingerprint, "disk", first, 4, 1e-3)
+    assert chosen() != first

@@ -1,0 +1,91 @@
+"""Model shapes: presets match the published sizes; config.json parsing per family."""
+
+import json
+
+import pytest
+
+from specmoe.costmodel.shapes import PRESETS, load_shape, shape_from_config
+
+GB = 1e9
+
+
+def test_mixtral_8x7b_expert_is_352_mb_in_bf16():
+    s = PRESETS["mixtral-8x7b"]
+    assert s.expert_bytes == 3 * 4096 * 14336 * 2
+    assert s.expert_bytes / 1e6 == pytest.approx(352.3, abs=0.1)
+
+
+def test_mixtral_8x7b_splits_into_90_gb_experts_and_3_gb_rest():
+    s = PRESETS["mixtral-8x7b"]
+    assert s.expert_bytes_total / GB == pytest.approx(90.2, abs=0.3)
+    assert s.non_expert_bytes / GB == pytest.approx(3.2, abs=0.1)
+    assert (s.expert_bytes_total + s.non_expert_bytes) / 2 / GB == pytest.approx(46.7, abs=0.2)  # params
+
+
+def test_nllb_decoder_has_six_moe_layers_of_128_two_matrix_experts():
+    s = PRESETS["nllb-moe-54b"]
+    assert s.moe_layers == (3, 7, 11, 15, 19, 23)
+    assert s.expert_bytes == 2 * 2048 * 8192 * 2
+    assert "decoder-only" in s.note
+
+
+@pytest.mark.parametrize("name,params_b", [("llama-4-scout", 109), ("qwen3-30b-a3b", 30.5),
+                                           ("mixtral-8x22b", 141), ("deepseek-v2-lite", 15.7)])
+def test_preset_total_parameters_match_the_model_card(name, params_b):
+    s = PRESETS[name]
+    assert s.total_bytes / s.bytes_per_param / 1e9 == pytest.approx(params_b, rel=0.06)
+
+
+def test_flops_per_token_grow_with_context():
+    s = PRESETS["mixtral-8x7b"]
+    assert s.flops_per_token(4096) > s.flops_per_token(0)
+    # about 2 x active parameters (12.9 B) at zero context
+    assert s.flops_per_token(0) / 2e9 == pytest.approx(12.9, rel=0.05)
+
+
+def _write(tmp_path, cfg):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_mixtral_config_reads_like_the_preset(tmp_path):
+    cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 32000, "torch_dtype": "bfloat16", "head_dim": None}
+    s = shape_from_config(_write(tmp_path, cfg))
+    p = PRESETS["mixtral-8x7b"]
+    assert (s.expert_bytes, s.non_expert_bytes, s.moe_layers, s.head_dim) == \
+        (p.expert_bytes, p.non_expert_bytes, p.moe_layers, 128)
+
+
+def test_qwen2_moe_config_honours_sparse_step_mlp_only_layers_and_shared_expert(tmp_path):
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 6, "num_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "intermediate_size": 128,
+           "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "dtype": "float32"}
+    s = shape_from_config(_write(tmp_path, cfg) / "config.json")
+    assert s.moe_layers == (1, 5)
+    assert s.shared_expert_intermediate == 96 and s.dense_intermediate == 128
+    assert s.bytes_per_param == 4 and s.head_dim == 16
+
+
+def test_qwen3_moe_and_olmoe_configs_parse(tmp_path):
+    q = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_experts": 128,
+         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+         "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16"}
+    s = shape_from_config(_write(tmp_path, q))
+    assert s.expert_bytes == PRESETS["qwen3-30b-a3b"].expert_bytes and s.num_moe_layers == 48
+    o = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "num_hidden_layers": 16, "num_experts": 64,
+         "num_experts_per_tok": 8, "intermediate_size": 1024, "num_attention_heads": 16, "vocab_size": 50304}
+    assert shape_from_config(_write(tmp_path, o)).expert_intermediate == 1024
+
+
+def test_unsupported_family_names_the_supported_ones(tmp_path):
+    with pytest.raises(ValueError, match="MixtralForCausalLM, Qwen2MoeForCausalLM"):
+        shape_from_config(_write(tmp_path, {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+
+
+def test_unknown_shape_name_lists_presets():
+    with pytest.raises(ValueError, match="nllb-moe-54b"):
+        load_shape("gpt-5")

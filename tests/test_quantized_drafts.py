@@ -1,0 +1,239 @@
+"""Quantized draft experts: the number formats (round trip, packing) and SpecMoE with
+quantized copies of every expert — exact output, nothing moved while drafting, every
+byte in the budget."""
+
+import pytest
+import torch
+from factories import expert_share_budget, random_prompts, watch_draft_reads
+
+from specmoe import LLM, SamplingParams
+from specmoe.base.checkpoint import Checkpoint
+from specmoe.experts.quant import (
+    BITS,
+    Int4KernelMatrix,
+    QuantizedMatrix,
+    device_layout,
+    expert_nbytes,
+    group_size,
+    load_quantized,
+    pack,
+    packed_size,
+    quant_error_report,
+    quantize_expert,
+    quantize_matrix,
+    quantized_expert_forward,
+    unpack,
+)
+from specmoe.model.moe import run_expert
+
+MODES = ["int8", "int4", "int3"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+# --- formats ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("n", [8, 30, 256])
+def test_pack_unpack_is_exact(bits, n):
+    codes = torch.randint(0, 1 << bits, (3, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, packed_size(n, bits))
+    assert torch.equal(unpack(packed, bits, n), codes)
+
+
+def test_int4_packs_two_codes_per_byte():
+    assert packed_size(256, 4) == 128 and packed_size(256, 3) == 96
+
+
+@pytest.mark.parametrize("in_features,group", [(256, 128), (192, 64), (24, 24)])
+def test_group_is_128_or_64_else_the_whole_row(in_features, group):
+    assert group_size(in_features) == group
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("in_features", [256, 40])
+def test_round_trip_error_is_at_most_half_a_step_per_group(mode, in_features):
+    bits = BITS[mode]
+    w = torch.randn(2, 24, in_features, generator=torch.Generator().manual_seed(bits)) * 0.1
+    q = quantize_matrix(w, bits)
+    back = q.dequantize(torch.float32)
+    assert back.shape == w.shape
+    g = q.group
+    step = w.view(2, 24, in_features // g, g).abs().amax(-1) / ((1 << (bits - 1)) - 1)  # the scale
+    err = (back - w).abs().view(2, 24, in_features // g, g).amax(-1)
+    assert torch.all(err <= 0.5 * step * (1 + 2e-3) + 1e-7)
+    rel = float((back - w).norm() / w.norm())
+    assert rel < {8: 0.01, 4: 0.15, 3: 0.35}[bits]
+
+
+def test_one_expert_of_a_stack_dequantizes_like_the_stack():
+    w = torch.randn(4, 16, 128, generator=torch.Generator().manual_seed(1))
+    q = quantize_matrix(w, 4)
+    assert torch.equal(q.select(2).dequantize(torch.float32), q.dequantize(torch.float32)[2])
+
+
+def test_the_fused_int4_layout_computes_what_the_portable_format_does():
+    w = torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(4)) * 0.1
+    q = quantize_matrix(w, 4)
+    k = device_layout(q, torch.device("cpu"))
+    if not isinstance(k, Int4KernelMatrix):
+        pytest.skip("this torch has no CPU int4 matmul")
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(5))
+    ref = q.select(1).linear(x)
+    assert float((k.select(1).linear(x) - ref).norm() / ref.norm()) < 1e-2  # bf16 activations
+
+
+def test_matrices_the_kernel_cannot_take_keep_the_portable_format():
+    q = quantize_matrix(torch.randn(32, 24), 4)  # group 24: not a kernel group size
+    assert isinstance(device_layout(q, torch.device("cpu")), QuantizedMatrix)
+    assert isinstance(device_layout(quantize_matrix(torch.randn(32, 64), 8), torch.device("cpu")), QuantizedMatrix)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_expert_forward_is_close_to_the_full_expert(mode):
+    hidden, inter = 128, 64
+    buf = torch.randn(3 * hidden * inter, generator=torch.Generator().manual_seed(2)) * 0.05
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(3))
+    qe = quantize_expert(buf, hidden, inter, BITS[mode])
+    y, yq = run_expert(buf, x, hidden, inter), quantized_expert_forward(x, qe)
+    assert qe.nbytes == expert_nbytes(hidden, inter, mode)
+    bound = {"int8": 0.02, "int4": 0.25, "int3": 0.5}[mode]
+    assert float((yq - y).norm() / y.norm()) < bound
+    on_device = quantized_expert_forward(x, qe.to(torch.device("cpu")))  # fused int4 kernel where it applies
+    assert float((on_device - y).norm() / y.norm()) < bound
+
+
+def test_quantized_copies_are_cached_by_checkpoint_and_mode(tiny_ckpt, tmp_path):
+    ckpt = Checkpoint(tiny_ckpt("mixtral"))
+    first = load_quantized(ckpt, "int4", tmp_path)
+    files = list(tmp_path.glob("quant-*int4*.safetensors"))
+    assert len(files) == 1 and ckpt.fingerprint() in files[0].name
+    again = load_quantized(ckpt, "int4", tmp_path)
+    for layer, q in first.layers.items():
+        assert torch.equal(q.gate_up.data, again.layers[layer].gate_up.data)
+        assert torch.equal(q.down.scales, again.layers[layer].down.scales)
+
+
+def test_error_report_has_one_row_per_moe_block(tiny_ckpt):
+    ckpt = Checkpoint(tiny_ckpt("mixtral"))
+    rows = {m: quant_error_report(ckpt, m, num_tokens=16) for m in ("int8", "int4")}
+    assert [r["layer"] for r in rows["int4"]] == list(ckpt.config.moe_layer_ids)
+    for r8, r4 in zip(rows["int8"], rows["int4"]):
+        assert 0 < r8["mean_rel_l2"] < r4["mean_rel_l2"] < 0.5
+
+
+# --- SpecMoE with quantized draft experts ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(6, 128, 3, 10, seed=5)
+    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
+    ref.generate(prompts, GREEDY)
+    budgets = {f: expert_share_budget(ref, f, 6, 48) for f in (0.5,)}
+    ref.close()
+    return path, prompts, ref.last_stats["token_ids_sha256"], budgets
+
+
+def quant_llm(path, budget, tmp_path, **kw):
+    opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path), device_memory=budget,
+                max_batch_size=6, max_model_len=48, gamma=3, draft_quant="none")
+    opts.update(kw)
+    return LLM(model=str(path), **opts)
+
+
+@pytest.mark.parametrize("mode", ["none", *MODES])
+def test_greedy_output_is_exactly_residents_in_every_draft_mode(reference, tmp_path, mode):
+    path, prompts, sha, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant=mode)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["draft_quant"] == mode
+    assert stats["device_peak_bytes"] <= budgets[0.5]
+    llm.close()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_copies_are_reserved_before_the_pool(reference, tmp_path, mode):
+    path, _, _, budgets = reference
+    plain = quant_llm(path, budgets[0.5], tmp_path)
+    quant = quant_llm(path, budgets[0.5], tmp_path, draft_quant=mode)
+    ledger = quant.engine.budget.by_item
+    qbytes = ledger["quantized draft experts"]
+    assert qbytes == quant.engine.policy.quantized.nbytes > 0
+    assert ledger.get("quantized draft scratch", 0) == quant.engine.policy.quantized.scratch_bytes(torch.float32)
+    expert_bytes = quant.engine.policy.pool.expert_bytes
+    before_pool = sum(v for k, v in ledger.items() if k != "expert pool")
+    assert quant.engine.policy.pool.num_slots == (budgets[0.5] - before_pool) // expert_bytes
+    assert quant.engine.policy.pool.num_slots < plain.engine.policy.pool.num_slots
+    assert quant.engine.budget.used <= budgets[0.5]
+    plain.close()
+    quant.close()
+
+
+def test_no_full_precision_draft_expert_when_the_budget_has_none_to_spare(reference, tmp_path):
+    """Tiny model, half the expert bytes: int8 copies (27 %) + scratch leave only the
+    working slots, so the draft runs on quantized copies alone."""
+    path, prompts, sha, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant="int8")
+    assert llm.engine.policy.draft_experts == 0
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["draft_resident_bytes"] == 0 and stats["draft_quantized_bytes"] > 0
+    assert stats["device_peak_bytes"] <= budgets[0.5]
+    llm.close()
+
+
+def test_int4_leaves_room_for_full_precision_draft_experts_too(reference, tmp_path):
+    path, prompts, sha, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant="int4")
+    assert llm.engine.policy.draft_experts >= 1
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["draft_resident_bytes"] > 0 and stats["draft_quantized_bytes"] > 0
+    llm.close()
+
+
+def test_quantized_draft_moves_no_expert_bytes(reference, tmp_path):
+    path, prompts, _, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant="int4", gamma=4)
+    reads_while_drafting = watch_draft_reads(llm.engine)
+    llm.generate(prompts, GREEDY)
+    assert llm.last_stats["acceptance_rate"] is not None
+    assert reads_while_drafting == []
+    llm.close()
+
+
+def test_quantized_draft_routes_exactly_and_agrees_better_than_int3(reference, tmp_path):
+    """int8 copies of every expert follow the full model nearly always: acceptance at
+    least that of the lower-bit copies on the same prompts."""
+    path, prompts, _, budgets = reference
+    acceptance = {}
+    for mode in ("int8", "int3"):
+        llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant=mode)
+        llm.generate(prompts, GREEDY)
+        acceptance[mode] = llm.last_stats["acceptance_rate"]
+        llm.close()
+    assert acceptance["int8"] >= acceptance["int3"]
+    assert acceptance["int8"] > 0.5
+
+
+def test_unknown_draft_quant_is_a_clear_error(reference, tmp_path):
+    from specmoe import SpecMoEError
+
+    path, _, _, budgets = reference
+    with pytest.raises(SpecMoEError, match="draft_quant 'int5'.*int4"):
+        quant_llm(path, budgets[0.5], tmp_path, draft_quant="int5")
+
+
+def test_quantized_drafts_and_host_drafts_are_alternatives(reference, tmp_path):
+    from specmoe import SpecMoEError
+
+    path, _, _, budgets = reference
+    with pytest.raises(SpecMoEError, match="drop --draft-compute host"):
+        quant_llm(path, budgets[0.5], tmp_path, offload="host", draft_compute="host", draft_quant="int4")
