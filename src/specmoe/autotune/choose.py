@@ -140,7 +140,7 @@ def _quantized_draft(runtime) -> str | None:
     c, budget = runtime.config, runtime.budget
     free = budget.available() if budget.limit is not None else None
     for mode in ("int8", "int4"):
-        need = expert_nbytes(c.hidden_size, c.expert_intermediate_size, mode) * len(runtime.expert_keys)
+        need = expert_nbytes(c.expert, mode) * len(runtime.expert_keys)
         if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
             return mode
     return None

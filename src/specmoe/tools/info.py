@@ -13,7 +13,7 @@ from ..base.config import EngineConfig, expert_share
 from ..base.paths import default_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
-from ..experts.quant import quant_error_report
+from ..experts.quant_report import quant_error_report
 from ..flags import add_model_args
 from ..policies import POLICIES
 
