@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# The families people offload today (see _FAMILY_SPECS for what each exercises).
+LARGE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "phimoe")
+ALL_FAMILIES = FAMILIES + LARGE_FAMILIES
 LAYOUTS = ("per_expert", "fused")
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -115,42 +118,145 @@ _FAMILY_SPECS = {
 }
 
 
+_SMALL_ATTENTION = dict(num_key_value_heads=4)  # MLA: every head has its own K and V
+_MLA = dict(kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+
+# The large families: odd expert counts, shared experts, dense first layers, each family's
+# own router, attention and RoPE scaling, windows shorter than the test contexts.
+_FAMILY_SPECS.update({
+    # MLA with a q latent, YaRN (factor 4 over 64 positions, mscale_all_dim != mscale: the
+    # softmax scale changes), sigmoid routing with correction bias in 3 groups (2 kept),
+    # 9 experts top-3, a shared expert, one dense first layer, interleaved RoPE
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3, **_SMALL_ATTENTION, **_MLA, intermediate_size=40, moe_intermediate_size=16,
+            n_routed_experts=9, n_shared_experts=1, num_experts_per_tok=3, n_group=3, topk_group=2,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
+                             "beta_fast": 32.0, "beta_slow": 1.0},
+        ),
+    ),
+    # MLA without a q latent (V2-Lite), softmax routing limited to the best 2 of 3 groups,
+    # two shared experts, scaled weights
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_hidden_layers=3, **_SMALL_ATTENTION, **{**_MLA, "q_lora_rank": None}, intermediate_size=40,
+            moe_intermediate_size=16, n_routed_experts=9, n_shared_experts=2, num_experts_per_tok=3, n_group=3,
+            topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
+    ),
+    # GQA with per-head q/k norm, q/k/v bias, half the head rotated, sigmoid grouped routing
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=9,
+            n_shared_experts=1, num_experts_per_tok=3, n_group=3, topk_group=2, first_k_dense_replace=1,
+            use_qk_norm=True, attention_bias=True, norm_topk_prob=True, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
+    # attention sinks, sliding (window 8) / full layers, router bias and softmax over the
+    # top-k, expert biases, the clamped SwiGLU (limit 1: the clamp bites), YaRN
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, intermediate_size=16, num_local_experts=7, num_experts_per_tok=2,
+            sliding_window=8, swiglu_limit=1.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 30000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        ),
+    ),
+    # MoE every 2nd layer, top-1 sigmoid router scaling the expert input, a shared expert,
+    # NoPE layers (1, 3) with attention temperature (floor_scale 4: it varies here),
+    # chunked attention (8) with q/k L2 norm in the RoPE layers, llama3 RoPE scaling
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_hidden_layers=4, head_dim=16, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=5,
+            num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2,
+            attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, use_qk_norm=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+    ),
+    # sparsemixer top-2 (eps 0.3: several experts inside the threshold), LayerNorm, q/k/v/o
+    # biases, LongRoPE with its own cos/sin scale (the tests stay inside its 128 pre-training
+    # positions: past them transformers switches the scale for the whole batch, see README)
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            num_hidden_layers=2, intermediate_size=16, num_local_experts=7, num_experts_per_tok=2,
+            attention_bias=True, router_jitter_noise=0.3,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 30000.0,
+                             "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 3.0, 4.0],
+                             "original_max_position_embeddings": 128, "short_mscale": 1.2, "long_mscale": 1.3},
+        ),
+    ),
+})
+
+# Llama 4 as the Hub ships it: the text model inside Llama4ForConditionalGeneration, with a
+# (tiny) vision tower the engine does not load.
+_LLAMA4_VISION = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=28,
+                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
 def _transformers():
     import transformers
 
     return transformers
 
 
-def build_config(family: str, **overrides):
-    """The transformers config of the tiny model of ``family`` (``overrides`` win)."""
+def build_config(family: str, *, multimodal: bool = False, **overrides):
+    """The transformers config of the tiny model of ``family`` (``overrides`` win).
+    ``multimodal`` (llama4 only): the text model inside a Llama4ForConditionalGeneration."""
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {ALL_FAMILIES}")
     config_name, _, fields = _FAMILY_SPECS[family]
     kwargs = {**_COMMON, **fields, **overrides}
-    return getattr(_transformers(), config_name)(**kwargs)
+    tr = _transformers()
+    if multimodal:
+        return tr.Llama4Config(text_config=kwargs, vision_config=_LLAMA4_VISION,
+                               tie_word_embeddings=kwargs["tie_word_embeddings"])
+    return getattr(tr, config_name)(**kwargs)
 
 
 @torch.no_grad()
-def build_model(family: str, *, seed: int = 0, std: float = INIT_STD, **overrides):
+def build_model(family: str, *, seed: int = 0, std: float = INIT_STD, multimodal: bool = False, **overrides):
     """A tiny random float32 model of ``family`` in eval mode, weights drawn from ``seed``."""
     _, model_name, _ = _FAMILY_SPECS[family]
-    config = build_config(family, **overrides)
+    config = build_config(family, multimodal=multimodal, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = getattr(_transformers(), model_name)(config).to(torch.float32).eval()
+    cls = "Llama4ForConditionalGeneration" if multimodal else model_name
+    model = getattr(_transformers(), cls)(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    # correction biases are buffers; drawn too, or the sigmoid routers would not use them
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "correction_bias" in n)]
+    for name, param in sorted(tensors, key=lambda t: t[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights: around 1, not 0
+        if "norm" in name.rsplit(".", 2)[-2] and name.endswith("weight"):  # norm weights: around 1, not 0
             param.copy_(1.0 + 0.1 * noise)
         elif "embed_tokens" in name:  # token identity must dominate the residual stream,
             param.copy_(noise)  # else all positions route alike
+        elif "sinks" in name:  # attention sinks: logits comparable with q.k
+            param.copy_(noise)
         else:  # linear weights, biases, embeddings, routers, experts
             param.copy_(std * noise)
+    text = getattr(config, "text_config", config)
     model.generation_config = _transformers().GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
     )
     return model
 
@@ -217,10 +323,11 @@ def _load_cached(path: str, stamp: tuple):
 def _load(path):
     """transformers' float32 model of a checkpoint directory, eval mode, eager attention."""
     tr = _transformers()
-    model = tr.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
+    multimodal = "Llama4ForConditionalGeneration" in read_config(path).get("architectures", [])
+    cls = tr.Llama4ForConditionalGeneration if multimodal else tr.AutoModelForCausalLM
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    # the multimodal Llama 4's own forward needs images; its text model is a Llama4ForCausalLM
+    return (model.language_model if multimodal else model).eval()
 
 
 @torch.no_grad()
