@@ -308,6 +308,42 @@ def make_checkpoint(
     return out
 
 
+def to_mxfp4(path) -> Path:
+    """Rewrite a (single-file, fused) GPT-OSS checkpoint's expert matrices as the released
+    checkpoints hold them: MXFP4 `*_blocks` / `*_scales`, [out, in] per expert, 32-value
+    blocks along `in` with a power-of-two scale each; config.json says quant_method mxfp4.
+    The in dimensions must be multiples of 32."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = _single_file(path)
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # stored [E, in, out] for x @ W: back to [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4(w)
+    save_file(tensors, str(file), metadata=metadata)
+    cfg = read_config(path)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
+def _mxfp4(w: torch.Tensor):
+    """w [..., in] -> (blocks [..., in/32, 16] uint8, scales [..., in/32] uint8): each value
+    the nearest of the 16 e2m1 values times the block's 2^e, e the smallest with max|w| <= 6 * 2^e."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - values).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
 def _cached_model(path):
     """The loaded model of ``path``, reused while the directory's files are unchanged."""
     path = Path(path).resolve()
@@ -323,9 +359,13 @@ def _load_cached(path: str, stamp: tuple):
 def _load(path):
     """transformers' float32 model of a checkpoint directory, eval mode, eager attention."""
     tr = _transformers()
-    multimodal = "Llama4ForConditionalGeneration" in read_config(path).get("architectures", [])
+    cfg = read_config(path)
+    multimodal = "Llama4ForConditionalGeneration" in cfg.get("architectures", [])
     cls = tr.Llama4ForConditionalGeneration if multimodal else tr.AutoModelForCausalLM
-    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
+    extra = {}
+    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":  # transformers' own dequantization
+        extra["quantization_config"] = tr.Mxfp4Config(dequantize=True)
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **extra)
     # the multimodal Llama 4's own forward needs images; its text model is a Llama4ForCausalLM
     return (model.language_model if multimodal else model).eval()
 

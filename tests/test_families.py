@@ -205,3 +205,19 @@ def test_the_cli_prints_a_bad_family_config_as_one_line(tiny_ckpt, tmp_path):
                           capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "n_group=4 must divide the 9 experts" in lines[0], proc.stderr
+
+
+def test_gpt_oss_released_mxfp4_experts_load_as_transformers_dequantizes_them(tiny_ckpt, tmp_path):
+    """The released GPT-OSS checkpoints hold experts in MXFP4; they load (dequantized) to
+    transformers' logits."""
+    from factories import to_mxfp4
+
+    path = tmp_path / "mxfp4"
+    shutil.copytree(tiny_ckpt("gpt_oss", "fused", intermediate_size=32), path)
+    to_mxfp4(path)
+    prompts = random_prompts(3, VOCAB, 3, 30, seed=8)
+    want = hf_logits(path, prompts)
+    got = LLM(model=str(path), device="cpu", dtype="float32").score(prompts)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= ATOL
+    assert Checkpoint(path).mxfp4

@@ -82,7 +82,25 @@ FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
     "down": ("block_sparse_moe.experts.down_proj", "mlp.experts.down_proj", "feed_forward.experts.down_proj"),
     "gate_up_bias": ("mlp.experts.gate_up_proj_bias",),
     "down_bias": ("mlp.experts.down_proj_bias",),
+    # MXFP4 (the released GPT-OSS checkpoints): [E, out, in / 32, 16] packed codes and
+    # [E, out, in / 32] power-of-two scales, [out, in] as nn.Linear stores it
+    "gate_up_blocks": ("mlp.experts.gate_up_proj_blocks",),
+    "gate_up_scales": ("mlp.experts.gate_up_proj_scales",),
+    "down_blocks": ("mlp.experts.down_proj_blocks",),
+    "down_scales": ("mlp.experts.down_proj_scales",),
 }
+
+# The 16 values of a 4-bit float (e2m1): codes 0-7 positive, 8-15 their negatives.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float32: blocks [..., G, 16] uint8 (two codes a byte, low nibble first),
+    scales [..., G] uint8 (the block's power of two, biased by 127) -> [..., G * 32]."""
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = torch.ldexp(codes.reshape(*blocks.shape[:-1], 32), scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
 
 # Outside the layers; names relative to the text model's prefix ("{prefix}" is e.g. "model.").
 GLOBAL_TENSORS: dict[str, tuple[str, ...]] = {
@@ -214,11 +232,18 @@ class Checkpoint:
             )
         return t
 
-    @cached_property
-    def fused_layout(self) -> bool:
+    def _layer_has(self, part: str) -> bool:
         layer = self.config.moe_layer_ids[0] if self.config.moe_layer_ids else 0
         pre = f"{self.prefix}layers.{layer}."
-        return self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS["gate_up"])) is not None
+        return self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part])) is not None
+
+    @cached_property
+    def fused_layout(self) -> bool:
+        return self._layer_has("gate_up") or self.mxfp4
+
+    @cached_property
+    def mxfp4(self) -> bool:
+        return self._layer_has("gate_up_blocks")
 
     def expert_buffer(self, layer: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Routed expert `expert` of `layer` as one contiguous 1-D buffer in the layout of
@@ -245,11 +270,17 @@ class Checkpoint:
         c, fam = self.config, self.config.family
         spec, E = c.expert, c.num_experts
         R, D, I = spec.in_rows, spec.hidden, spec.inter
-        transposed = fam.fused_transposed
-        w_in = self._fused(layer, "gate_up", (E, D, R) if transposed else (E, R, D))[expert]
-        w_out = self._fused(layer, "down", (E, I, D) if transposed else (E, D, I))[expert]
-        if transposed:
-            w_in, w_out = w_in.t(), w_out.t()
+        if self.mxfp4:  # dequantized on load: the tiers hold (and move) the compute dtype
+            w_in = dequantize_mxfp4(self._fused(layer, "gate_up_blocks", (E, R, D // 32, 16))[expert],
+                                    self._fused(layer, "gate_up_scales", (E, R, D // 32))[expert])
+            w_out = dequantize_mxfp4(self._fused(layer, "down_blocks", (E, D, I // 32, 16))[expert],
+                                     self._fused(layer, "down_scales", (E, D, I // 32))[expert])
+        elif fam.fused_transposed:
+            w_in = self._fused(layer, "gate_up", (E, D, R))[expert].t()
+            w_out = self._fused(layer, "down", (E, I, D))[expert].t()
+        else:
+            w_in = self._fused(layer, "gate_up", (E, R, D))[expert]
+            w_out = self._fused(layer, "down", (E, D, I))[expert]
         parts = [w_in, w_out]
         if spec.bias:
             parts += [self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]]
@@ -264,7 +295,7 @@ class Checkpoint:
         key = (layer, part)
         cache = self._fused_cache
         if key not in cache:
-            if len(cache) >= 4:
+            if len(cache) >= 6:
                 cache.clear()
             pre = f"{self.prefix}layers.{layer}."
             name = self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part]))
