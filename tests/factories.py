@@ -331,6 +331,46 @@ def to_mxfp4(path) -> Path:
     return Path(path)
 
 
+def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
+    """Two copies of a (single-file, per-expert) checkpoint: one as DeepSeek-V3 and Kimi-K2
+    are released (every linear weight but the embedding, head and routers in float8_e4m3fn
+    with a float32 `weight_scale_inv` per block x block tile: max |w| / 448), and a float32
+    reference holding exactly those FP8 values times their tile's scale, computed tile by
+    tile here (transformers reads it without any quantization support)."""
+    import shutil
+
+    fp8, reference = Path(out_dir) / "fp8", Path(out_dir) / "fp8-reference"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, reference)
+    quantized, dequantized = {}, {}
+
+    def quantize(tensors):
+        for name in [k for k, t in tensors.items() if t.dim() == 2 and k.endswith(".weight")]:
+            if any(part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")):
+                continue
+            w = tensors[name].float()
+            scale = torch.empty(w.shape[0] // block, w.shape[1] // block)
+            w8 = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+            back = torch.empty(w.shape)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+                    w8[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(w8.dtype)
+                    back[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                        w8[i * block:(i + 1) * block, j * block:(j + 1) * block].float() * scale[i, j]
+            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = w8, scale, back
+        tensors.update(quantized)
+
+    _rewrite(fp8, quantize)
+    _rewrite(reference, lambda tensors: tensors.update(dequantized))
+    cfg = read_config(fp8)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    return fp8, reference
+
+
 def _mxfp4(w: torch.Tensor):
     """w [..., in] -> (blocks [..., in/32, 16] uint8, scales [..., in/32] uint8): each value
     the nearest of the 16 e2m1 values times the block's 2^e, e the smallest with max|w| <= 6 * 2^e."""
@@ -363,8 +403,10 @@ def _load(path):
     multimodal = "Llama4ForConditionalGeneration" in cfg.get("architectures", [])
     cls = tr.Llama4ForConditionalGeneration if multimodal else tr.AutoModelForCausalLM
     extra = {}
-    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":  # transformers' own dequantization
+    method = cfg.get("quantization_config", {}).get("quant_method")
+    if method == "mxfp4":  # transformers' own dequantization
         extra["quantization_config"] = tr.Mxfp4Config(dequantize=True)
+
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **extra)
     # the multimodal Llama 4's own forward needs images; its text model is a Llama4ForCausalLM
     return (model.language_model if multimodal else model).eval()

@@ -221,3 +221,17 @@ def test_gpt_oss_released_mxfp4_experts_load_as_transformers_dequantizes_them(ti
     for g, w in zip(got, want):
         assert (g - w).abs().max() <= ATOL
     assert Checkpoint(path).mxfp4
+
+
+def test_deepseek_released_fp8_weights_load_to_their_dequantized_values(tiny_ckpt, tmp_path):
+    """DeepSeek-V3 and Kimi-K2 are released in block-scaled FP8: they load to the logits
+    transformers gives for the same values in float32, and the experts move in the compute dtype."""
+    from factories import to_fp8
+
+    path, reference = to_fp8(tiny_ckpt("deepseek_v3"), tmp_path, block=4)
+    prompts = random_prompts(3, VOCAB, 3, 30, seed=8)
+    want = hf_logits(reference, prompts)
+    got = LLM(model=str(path), device="cpu", dtype="float32").score(prompts)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= ATOL
+    assert Checkpoint(path).expert_buffer(1, 0, torch.float32).dtype == torch.float32

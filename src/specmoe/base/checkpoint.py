@@ -94,6 +94,17 @@ FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-scaled FP8 -> float32 (DeepSeek-V3, Kimi-K2): each block x block tile of the
+    weight [out, in] times its entry of scale_inv [ceil(out / b0), ceil(in / b1)]."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """MXFP4 -> float32: blocks [..., G, 16] uint8 (two codes a byte, low nibble first),
     scales [..., G] uint8 (the block's power of two, biased by 127) -> [..., G * 32]."""
@@ -189,14 +200,19 @@ class Checkpoint:
         layers past num_hidden_layers, not a vision tower) and its embedding, norm and head."""
         layers = tuple(f"{self.prefix}layers.{i}." for i in range(self.config.num_layers))
         globals_ = {t.format(prefix=self.prefix) for ts in GLOBAL_TENSORS.values() for t in ts}
-        return sorted(n for n in self._file_of if n.startswith(layers) or n in globals_)
+        return sorted(n for n in self._file_of
+                      if (n.startswith(layers) or n in globals_) and not n.endswith("_scale_inv"))
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise SpecMoEError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         fname = self._file_of[name]
         try:
-            return self._open(fname).get_tensor(name)
+            t = self._open(fname).get_tensor(name)
+            scale = name + "_scale_inv"
+            if t.dtype in FP8_DTYPES and scale in self._file_of:  # read as float32, at the checkpoint's values
+                return dequantize_fp8(t, self.tensor(scale), self.config.weight_block_size)
+            return t
         except SpecMoEError:
             raise
         except Exception as exc:

@@ -38,6 +38,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    weight_block_size: tuple[int, int] = (128, 128)  # FP8 checkpoints: the tile each weight scale covers
 
     def __post_init__(self):
         for name in ("moe_layers", "windows", "rope_layers"):
@@ -127,6 +128,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
             torch_dtype=str(outer.get("torch_dtype") or outer.get("dtype") or cfg.get("torch_dtype")
                             or cfg.get("dtype") or "float32"),
+            weight_block_size=tuple((outer.get("quantization_config") or {}).get("weight_block_size") or (128, 128)),
         )
 
     @classmethod
