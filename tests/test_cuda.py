@@ -142,3 +142,24 @@ def test_replay_runs_on_cuda_with_pinned_experts(cuda_reference, tmp_path, capsy
     assert {r["policy"] for r in doc["records"]} == {"ondemand", "overlap", "caching", "specmoe"}
     assert all("error" not in r and r["layer_s"] > 0 for r in doc["records"])
     assert next(r for r in doc["records"] if r["policy"] == "specmoe")["draft_transfer_bytes"] == 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "phimoe"])
+def test_large_families_on_cuda_give_residents_tokens_under_every_policy(tiny_ckpt, tmp_path, family):
+    """MLA's latent cache, windowed rings, sinks, input-scaled routing, LayerNorm: the same
+    code on the GPU, every offloading policy against resident there."""
+    path = str(tiny_ckpt(family))
+    prompts = random_prompts(4, 128, 3, 20, seed=7)
+    shape = dict(device="cuda", max_batch_size=4, max_model_len=64)
+    ref = LLM(model=path, **shape)
+    ref.generate(prompts, GREEDY)
+    e = ref.engine
+    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
+    budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * 4 * 64 + 0.5 * experts)
+    sha = ref.last_stats["token_ids_sha256"]
+    ref.close()
+    for policy in POLICIES:
+        llm = LLM(model=path, policy=policy, offload="host", offload_dir=str(tmp_path), device_memory=budget, **shape)
+        llm.generate(prompts, GREEDY)
+        assert_policy_run_is_exact(llm.last_stats, sha, budget, policy)
+        llm.close()
