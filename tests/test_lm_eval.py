@@ -80,22 +80,23 @@ def server(tmp_path_factory):
     server.proc.wait(timeout=30)
 
 
-@pytest.fixture
-def quiet_offline(monkeypatch, tmp_path):
-    """No model hub; lm-eval's dataset cache in the test's own folder; one torch thread for
+@pytest.fixture(scope="module")
+def quiet_offline(tmp_path_factory):
+    """No model hub; lm-eval's dataset cache in a folder of the tests; one torch thread for
     transformers (on 2 busy cores, two threads make its small matmuls several times slower)."""
     import torch
 
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            mp.setenv(name, "1")
+        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("datasets")))
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(threads)
 
 
-def evaluate(task_dir, model: str, model_args: str) -> dict:
+def evaluate(task_dir, model, model_args: str | None = None) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -103,15 +104,17 @@ def evaluate(task_dir, model: str, model_args: str) -> dict:
                            task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), device="cpu")
 
 
+@pytest.fixture(scope="module")
+def transformers_results(server, task_dir, quiet_offline):
+    """lm-eval's `hf` model on the demo checkpoint (the server loads meanwhile)."""
+    return evaluate(task_dir, "hf", f"pretrained={DEMO_MODEL_DIR},dtype=float32")
+
+
 def per_question(results: dict, task: str) -> list:
     return [s["filtered_resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
-def test_lm_eval_through_the_server_equals_lm_eval_through_transformers(server, task_dir, quiet_offline):
-    theirs = evaluate(task_dir, "hf", f"pretrained={DEMO_MODEL_DIR},dtype=float32")
-    ours = evaluate(task_dir, "local-completions",
-                    f"base_url={server.url()}/v1/completions,model=specmoe-demo,num_concurrent=4")
-
+def assert_same_evaluation(ours: dict, theirs: dict) -> None:
     ours_mc, theirs_mc = per_question(ours, "pydoc_mc"), per_question(theirs, "pydoc_mc")
     assert len(ours_mc) == len(theirs_mc) == 6
     for q, (a, b) in enumerate(zip(ours_mc, theirs_mc)):
@@ -121,3 +124,18 @@ def test_lm_eval_through_the_server_equals_lm_eval_through_transformers(server, 
     for task, metrics in (("pydoc_mc", ("acc,none", "acc_norm,none")), ("pydoc_gen", ("exact_match,none",))):
         for metric in metrics:
             assert ours["results"][task][metric] == theirs["results"][task][metric], (task, metric)
+
+
+def test_lm_eval_through_the_server_equals_lm_eval_through_transformers(server, task_dir, transformers_results):
+    ours = evaluate(task_dir, "local-completions",
+                    f"base_url={server.url()}/v1/completions,model=specmoe-demo,num_concurrent=4")
+    assert_same_evaluation(ours, transformers_results)
+
+
+def test_lm_eval_with_the_offline_model_class_equals_transformers(task_dir, transformers_results):
+    from specmoe.tools.harness import SpecMoELM
+
+    lm = SpecMoELM(policy="caching", offload="host", device_memory="30%", batch_size=8, max_model_len=256)
+    ours = evaluate(task_dir, lm)
+    assert lm.llm.last_stats["transfer_bytes"] > 0  # experts really moved
+    assert_same_evaluation(ours, transformers_results)

@@ -147,3 +147,20 @@ def test_max_tokens_zero_needs_prompt_logprobs():
         SamplingParams(max_tokens=0)
     with pytest.raises(SpecMoEError, match="max_tokens must be"):
         SamplingParams(max_tokens=-1, prompt_logprobs=0)
+
+
+def test_caching_keeps_its_hot_experts_across_scoring_batches(setup):
+    """A scoring run never decodes: caching must still choose its hot set after the first
+    prefill pass and move fewer bytes than ondemand over several batches of prompts."""
+    path, _, budget = setup
+    prompts = random_prompts(8, 128, 6, 13, seed=23)
+    moved = {}
+    for policy in ("ondemand", "caching"):
+        llm = LLM(model=str(path), device="cpu", policy=policy, offload="host", device_memory=budget,
+                  max_batch_size=2, max_model_len=MAX_LEN, cache_fraction=0.25)
+        llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0))
+        moved[policy] = llm.last_stats["transfer_bytes"]
+        hot = llm.last_stats.get("hot_experts")
+        llm.close()
+    assert hot == 2 * 2  # a quarter of 8 experts in each of the 2 MoE blocks
+    assert 0 < moved["caching"] < moved["ondemand"]
