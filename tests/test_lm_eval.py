@@ -13,14 +13,15 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lm_eval")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+
+from serving import free_port, wait_until_healthy  # noqa: E402
 
 from specmoe.base.paths import DEMO_MODEL_DIR  # noqa: E402
 
@@ -28,14 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["pydoc_mc", "pydoc_gen"]
 ATOL = 1e-4
 STARTUP_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,16 +52,8 @@ class Server:
 
     def url(self) -> str:
         url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, f"specmoe serve exited:\n{self.log_path.read_text()}"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return url
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"specmoe serve did not start:\n{self.log_path.read_text()}"
-            time.sleep(0.2)
+        wait_until_healthy(url, self.proc, self.log_path, STARTUP_TIMEOUT_S)
+        return url
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
+from contextlib import ExitStack
 
 import pytest
 import torch
 
 pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 from factories import expert_share_budget, hf_logits, make_checkpoint  # noqa: E402
+from serving import serve_in_process  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 from specmoe.base.paths import DEMO_MODEL_DIR  # noqa: E402
@@ -49,29 +49,6 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def serve(llm: LLM):
-    """The app over `llm`'s engine on a free loopback port; returns (url, stop)."""
-    from specmoe.server.app import create_app
-    from specmoe.server.command import bind
-
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm.engine, MODEL), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-
-    def stop():
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        llm.close()
-
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", stop
-
-
 @pytest.fixture(scope="module")
 def offline(model_dir):
     llm = LLM(model=str(model_dir), device="cpu", max_batch_size=BATCH, max_model_len=MAX_LEN)
@@ -81,22 +58,22 @@ def offline(model_dir):
 
 @pytest.fixture(scope="module")
 def servers(model_dir, offline):
-    """policy -> base URL, each started on first use."""
-    started, stops = {}, []
+    """policy -> base URL of the app over an engine with that policy, each started on first use."""
+    started, llms = {}, []
     budget = expert_share_budget(offline, 0.5, BATCH, MAX_LEN)
+    with ExitStack() as stack:
 
-    def get(policy: str) -> str:
-        if policy not in started:
-            extra = {"device_memory": budget, **POLICIES[policy]} if policy != "resident" else {}
-            llm = LLM(model=str(model_dir), device="cpu", policy=policy, max_batch_size=BATCH,
-                      max_model_len=MAX_LEN, **extra)
-            started[policy], stop = serve(llm)
-            stops.append(stop)
-        return started[policy]
+        def get(policy: str) -> str:
+            if policy not in started:
+                extra = {"device_memory": budget, **POLICIES[policy]} if policy != "resident" else {}
+                llms.append(LLM(model=str(model_dir), device="cpu", policy=policy, max_batch_size=BATCH,
+                                max_model_len=MAX_LEN, **extra))
+                started[policy] = stack.enter_context(serve_in_process(llms[-1].engine, MODEL))
+            return started[policy]
 
-    yield get
-    for stop in stops:
-        stop()
+        yield get
+    for llm in llms:
+        llm.close()
 
 
 @pytest.fixture(scope="module")
