@@ -142,3 +142,17 @@ def test_replay_runs_on_cuda_with_pinned_experts(cuda_reference, tmp_path, capsy
     assert {r["policy"] for r in doc["records"]} == {"ondemand", "overlap", "caching", "specmoe"}
     assert all("error" not in r and r["layer_s"] > 0 for r in doc["records"])
     assert next(r for r in doc["records"] if r["policy"] == "specmoe")["draft_transfer_bytes"] == 0
+
+
+def test_logprobs_on_cuda_equal_the_cpu_ones(cuda_reference, tmp_path):
+    """Scoring and generation log-probabilities computed on the GPU (SpecMoE's verification
+    rows, offloaded experts) equal the CPU's resident ones."""
+    path, prompts, _, budget = cuda_reference
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    values = {}
+    for device, extra in (("cpu", {}), ("cuda", dict(policy="specmoe", offload="host", device_memory=budget))):
+        llm = LLM(model=str(path), device=device, dtype="float32", max_batch_size=8, max_model_len=64, **extra)
+        outs = llm.generate(prompts, params)
+        values[device] = [p.logprob for o in outs for p in o.prompt_logprobs[1:] + o.logprobs]
+        llm.close()
+    assert values["cuda"] == pytest.approx(values["cpu"], abs=1e-3)  # GPU and CPU kernels round differently

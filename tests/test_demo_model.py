@@ -31,14 +31,14 @@ def reference():
     return model, tokenizer
 
 
-def test_logits_match_transformers(demo, reference):
+def test_log_probabilities_match_transformers(demo, reference):
     model, tokenizer = reference
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert ids == [demo.tokenizer.encode(p) for p in PROMPTS]
     ours = demo.score(ids)
     for prompt_ids, logits in zip(ids, ours):
         with torch.no_grad():
-            theirs = model(torch.tensor([prompt_ids])).logits[0].float()
+            theirs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
         assert (logits - theirs).abs().max().item() <= 1e-4
 
 

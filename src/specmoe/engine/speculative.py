@@ -59,10 +59,8 @@ class SpeculativeDecoder:
             counters.accepted += accepted
             counters.rejected += accepted < len(draft)
             accepted_lengths.append(accepted)
-            for token in draft[:accepted] + [nxt]:
-                produced += 1
-                if engine.append_token(seq, token):
-                    break
+            # the verification rows, never the draft's, give the tokens' log-probabilities
+            produced += engine.append_tokens(seq, draft[:accepted] + [nxt], rows)
         if engine.tracer:
             engine.tracer.flush(accepted_lengths)
         t2 = time.perf_counter()
