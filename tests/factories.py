@@ -362,6 +362,35 @@ def read_config(path) -> dict:
 # --- helpers for tests of the engine ---------------------------------------------------------
 
 
+FIXED_PROFILE = Path(__file__).resolve().parent / "data" / "profile-2core-disk.json"
+
+
+def install_fixed_profile(cache_dir) -> None:
+    """Make a profile measured once on a 2-core VM this cache dir's `local` profile, so
+    that `--policy auto` plans from fixed numbers instead of calibrating the machine the
+    tests run on (seconds per session, and choices that depend on that machine)."""
+    import shutil
+
+    profiles = Path(cache_dir) / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXED_PROFILE, profiles / "local.json")
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`specmoe ARGS` in-process: (exit status, stdout, stderr). argparse's own errors end
+    in SystemExit, as they end the real process."""
+    from specmoe.cli import main
+
+    capsys.readouterr()  # drop what earlier steps of the test printed
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+
 def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
     """Device budget: non-expert bytes + KV for `batch` x `max_len` + `fraction` of all expert bytes."""
     e = llm.engine
