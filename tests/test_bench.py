@@ -54,8 +54,6 @@ def test_quick_bench_json_has_machine_config_and_a_record_per_policy_and_batch(q
             assert key in rec, (rec["policy"], key)
         assert set(rec["over_repeats"]["decode_tokens_per_s"]) == {"min", "median", "max"}
         assert rec["outputs_match_resident"] is True
-        if rec["policy"] != "resident":
-            assert rec["device_peak_bytes"] <= cfg["device_memory_by_batch"][str(rec["batch_size"])]
     assert all(r["ratio_vs_ondemand"] == 1.0 for r in doc["records"] if r["policy"] == "ondemand")
     assert isinstance(doc["anchors"], list) and isinstance(doc["ablations"], list)
 

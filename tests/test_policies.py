@@ -1,8 +1,16 @@
 """Every policy, both tiers: greedy output identical to `resident`, bytes counted exactly,
-the device budget respected, and clear errors for budgets and names that cannot work."""
+the device budget respected (measured by walking what the engine holds, not read from its
+ledger), and clear errors for budgets and names that cannot work."""
 
 import pytest
-from factories import assert_policy_run_is_exact, expert_share_budget, install_fixed_profile, random_prompts
+from factories import (
+    BOOKKEEPING_ALLOWANCE,
+    assert_policy_run_is_exact,
+    expert_share_budget,
+    install_fixed_profile,
+    random_prompts,
+    watch_device_bytes,
+)
 
 from specmoe import LLM, SamplingParams, SpecMoEError
 
@@ -27,8 +35,34 @@ def test_policy_matches_resident_tokens(setup, tmp_path, policy, tier):
         pytest.skip("host computes from host memory; tested for its error below")
     llm = LLM(model=str(path), device="cpu", policy=policy, offload=tier, offload_dir=str(tmp_path),
               device_memory=budget, max_batch_size=8, max_model_len=64)
+    held = watch_device_bytes(llm.engine)
     llm.generate(prompts, PARAMS)
-    assert_policy_run_is_exact(llm.last_stats, ref_stats["token_ids_sha256"], budget, policy)
+    assert_policy_run_is_exact(llm.last_stats, ref_stats["token_ids_sha256"], policy)
+    assert max(held) <= budget + BOOKKEEPING_ALLOWANCE
+    llm.close()
+
+
+def test_resident_holds_no_more_than_the_budget_it_asks_for(setup):
+    path, prompts, ref_stats, _ = setup
+    need = LLM(model=str(path), device="cpu", max_batch_size=8, max_model_len=64).engine.budget.used
+    llm = LLM(model=str(path), device="cpu", device_memory=need, max_batch_size=8, max_model_len=64)
+    held = watch_device_bytes(llm.engine)
+    llm.generate(prompts, PARAMS)
+    assert llm.last_stats["token_ids_sha256"] == ref_stats["token_ids_sha256"]
+    assert need - BOOKKEEPING_ALLOWANCE < max(held) <= need + BOOKKEEPING_ALLOWANCE  # it sees the model too
+    llm.close()
+
+
+def test_the_measurement_sees_a_copy_the_ledger_was_not_told_about(setup, tmp_path):
+    """What a policy keeping an uncharged expert copy would look like: the held bytes
+    exceed the budget while the ledger still says everything fits."""
+    path, prompts, _, budget = setup
+    llm = LLM(model=str(path), device="cpu", policy="caching", offload="host", device_memory=budget,
+              max_batch_size=8, max_model_len=64)
+    held = watch_device_bytes(llm.engine)
+    llm.engine.policy.leaked = [llm.engine.policy.pool.buffers[0].clone()]  # one expert, uncharged
+    llm.generate(prompts, PARAMS)
+    assert llm.last_stats["device_peak_bytes"] <= budget < max(held) - BOOKKEEPING_ALLOWANCE
     llm.close()
 
 

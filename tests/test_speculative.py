@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from factories import expert_share_budget, random_prompts, watch_draft_reads
+from factories import BOOKKEEPING_ALLOWANCE, expert_share_budget, random_prompts, watch_device_bytes, watch_draft_reads
 
 from specmoe import LLM, SamplingParams, SpecMoEError
 from specmoe.engine import speculative
@@ -40,11 +40,12 @@ def spec_llm(path, budget, tmp_path, **kw):
 def test_greedy_output_is_exactly_residents(reference, tmp_path, gamma, draft_set, substitution):
     path, prompts, sha, budget, _ = reference
     llm = spec_llm(path, budget, tmp_path, gamma=gamma, draft_set=draft_set, substitution=substitution)
+    held = watch_device_bytes(llm.engine)
     llm.generate(prompts, GREEDY)
     stats = llm.last_stats
     assert stats["token_ids_sha256"] == sha
     assert 1.0 <= stats["tokens_per_step"] <= gamma + 1
-    assert stats["device_peak_bytes"] <= budget
+    assert max(held) <= budget + BOOKKEEPING_ALLOWANCE
     llm.close()
 
 
@@ -61,10 +62,11 @@ def test_greedy_identity_holds_at_other_batch_sizes_and_tiers(reference, tmp_pat
 def test_default_draft_takes_quantized_copies_that_fit_and_keeps_the_output(reference, tmp_path):
     path, prompts, sha, budget, _ = reference
     llm = spec_llm(path, budget, tmp_path, draft_quant="auto")
+    held = watch_device_bytes(llm.engine)
     llm.generate(prompts, GREEDY)
     stats = llm.last_stats
     assert stats["draft_quant"] in ("int8", "int4") and stats["draft_quantized_bytes"] > 0
-    assert stats["token_ids_sha256"] == sha and stats["device_peak_bytes"] <= budget
+    assert stats["token_ids_sha256"] == sha and max(held) <= budget + BOOKKEEPING_ALLOWANCE
     llm.close()
 
 

@@ -74,7 +74,7 @@ class Engine:
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes))
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
-        self.cache = self.model.new_cache(options.max_batch_size)
+        self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
         self.budget.reserve(
