@@ -55,6 +55,9 @@ def test_quick_bench_json_has_machine_config_and_a_record_per_policy_and_batch(q
         assert set(rec["over_repeats"]["decode_tokens_per_s"]) == {"min", "median", "max"}
         assert rec["outputs_match_resident"] is True
     assert all(r["ratio_vs_ondemand"] == 1.0 for r in doc["records"] if r["policy"] == "ondemand")
+    # whether each disk-tier run bypassed the page cache (resident reads no disk)
+    assert {type(r.get("offload_direct")) for r in doc["records"]} == {bool, type(None)}
+    assert all((r.get("offload_direct") is None) == (r["policy"] == "resident") for r in doc["records"])
     assert isinstance(doc["anchors"], list) and isinstance(doc["ablations"], list)
 
 
@@ -83,6 +86,7 @@ def test_markdown_replaces_its_own_section_and_keeps_the_rest(quick_run, tmp_pat
     text = path.read_text()
     assert text.count("begin disk -->") == 1 and text.count("begin host -->") == 1
     assert "hand-written intro" in text and "| 4 | specmoe |" in text and doc["config"]["command"] in text
+    assert "disk reads: page cache bypassed (O_DIRECT) in all" in text or "disk reads: BUFFERED" in text
 
 
 def test_ablation_substitution_runs_variants_beside_ondemand(tiny_ckpt, prompts_file, tmp_path):

@@ -193,6 +193,20 @@ def outputs_line(doc: dict) -> str:
             f"({chk['comparisons']} comparisons of token_ids_sha256, warm-up rounds included)")
 
 
+def direct_io_line(doc: dict) -> str | None:
+    """Whether every disk-tier run read with the page cache bypassed (per run, from its stats)."""
+    runs = [r for r in doc["records"] + [r for e in doc["ablations"] for r in e["records"]]
+            if r.get("offload_direct") is not None]
+    if not runs:
+        return None
+    buffered = [r for r in runs if not r["offload_direct"]]
+    if not buffered:
+        return f"disk reads: page cache bypassed (O_DIRECT) in all {len(runs)} disk-tier runs"
+    why = sorted({r.get("offload_direct_reason") or "?" for r in buffered})
+    return (f"disk reads: BUFFERED in {len(buffered)} of {len(runs)} disk-tier runs ({'; '.join(why)}): "
+            "bytes may have come from the page cache, not the disk")
+
+
 def config_lines(doc: dict) -> list[str]:
     c = doc["config"]
     m = c["model"]
@@ -205,6 +219,7 @@ def config_lines(doc: dict) -> list[str]:
         f"prompts: {c['prompts_file']} (first 2 x B of {c['num_prompts_in_file']}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
         f"tier: {tier}; gamma {c['gamma']}; {c['repeats']} repeat(s) after 1 warm-up, interleaved",
         f"budget: {c['budget_rule']}" + (f" ({budgets})" if budgets else ""),
+        *filter(None, [direct_io_line(doc)]),
         f"command: {c['command']}",
     ]
 
