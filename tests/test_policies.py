@@ -2,6 +2,8 @@
 the device budget respected (measured by walking what the engine holds, not read from its
 ledger), and clear errors for budgets and names that cannot work."""
 
+import re
+
 import pytest
 from factories import (
     BOOKKEEPING_ALLOWANCE,
@@ -13,6 +15,7 @@ from factories import (
 )
 
 from specmoe import LLM, SamplingParams, SpecMoEError
+from specmoe.base.units import parse_size
 
 POLICIES = ["ondemand", "overlap", "caching", "host"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -93,17 +96,35 @@ def test_ondemand_moves_what_each_block_needs_every_step(setup, tmp_path):
     llm.close()
 
 
-def test_budget_too_small_names_the_smallest_that_works(setup, tmp_path):
-    path, _, _, budget = setup
-    with pytest.raises(SpecMoEError, match=r"needs \d+.*raise --device-memory to at least"):
-        LLM(model=str(path), device="cpu", policy="caching", cache_fraction=0.5, offload="disk",
-            offload_dir=str(tmp_path), device_memory=budget // 2, max_batch_size=8, max_model_len=64)
+def named_budget(error: SpecMoEError) -> tuple[int, int]:
+    """The budget an error names, in bytes, and the next value below it at the precision it
+    was printed with ('183 KiB' -> 182 KiB)."""
+    number, unit = re.search(r"raise --device-memory to at least ([0-9.]+) (\S+)$", str(error)).groups()
+    decimals = len(number.partition(".")[2])
+    return parse_size(f"{number} {unit}"), parse_size(f"{float(number) - 10 ** -decimals:.{decimals}f} {unit}")
 
 
-def test_resident_budget_too_small_says_so(setup):
-    path, _, _, budget = setup
+@pytest.mark.parametrize("options", [
+    dict(policy="resident"),
+    dict(policy="ondemand"),  # the first refusal is the KV cache's; the pool needs a slot more
+    dict(policy="caching", cache_fraction=0.5),
+    dict(policy="specmoe", draft_quant="none", draft_experts=3),
+    dict(policy="specmoe", draft_quant="int8"),  # copies, their scratch and two working slots
+    dict(policy="specmoe"),  # auto: whichever draft fits in the least
+], ids=lambda o: "-".join(map(str, o.values())))
+def test_the_budget_an_error_names_is_the_smallest_that_works(setup, tmp_path, options):
+    path, prompts, ref_stats, _ = setup
+    kw = dict(model=str(path), device="cpu", offload="disk", offload_dir=str(tmp_path), max_batch_size=8,
+              max_model_len=64, **options)
+    with pytest.raises(SpecMoEError) as refused:
+        LLM(device_memory=1000, **kw)
+    named, below = named_budget(refused.value)
+    llm = LLM(device_memory=named, **kw)
+    llm.generate(prompts, PARAMS)
+    assert llm.last_stats["token_ids_sha256"] == ref_stats["token_ids_sha256"]
+    llm.close()
     with pytest.raises(SpecMoEError, match="raise --device-memory to at least"):
-        LLM(model=str(path), device="cpu", device_memory=budget, max_batch_size=8, max_model_len=64)
+        LLM(device_memory=below, **kw)
 
 
 def test_unknown_policy_lists_valid_ones(setup):
