@@ -1,23 +1,31 @@
 """`specmoe bench` on a tiny checkpoint: the documented JSON fields, a valid PNG, the
-markdown section, one-line errors for bad flags, and the summary/identity helpers."""
+markdown section, one-line errors for bad flags, the summary/identity helpers, the
+performance model's validation on the run's traces, and BENCHMARKS.md rewritten from
+saved JSON (`specmoe bench --report`)."""
 
+import contextlib
+import io
 import json
 import random
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
+from factories import FIXED_PROFILE, run_cli
 
-from factories import FIXED_PROFILE
-
-from specmoe.bench import report
+from specmoe.bench import report, sections
+from specmoe.bench.command import settings_from_args
 from specmoe.bench.grid import Measurement, check_outputs, default_budget, summarize
 from specmoe.bench.validate import markdown, validate
-from specmoe.cli import main
+from specmoe.cli import build_parser, main
 from specmoe.costmodel.hardware import load_profile
 
 STATS = ("policy", "batch_size", "gamma", "draft_experts", "prompt_tokens", "generated_tokens", "wall_s",
          "decode_tokens_per_s", "ttft_s", "tbt_s", "steps", "tokens_per_step", "acceptance_rate", "transfer_bytes",
          "transfer_bytes_per_token", "device_peak_bytes", "cache_hit_rate", "token_ids_sha256")
 POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +199,67 @@ def test_default_budget_adds_the_kv_cache_so_experts_keep_their_share():
     info = {"non_expert_bytes": 1000, "kv_bytes_per_token": 10, "expert_bytes_total": 10_000}
     assert default_budget(info, batch_size=4, max_model_len=50) == 1000 + 2000 + 3000
     assert default_budget(info, 16, 50) - default_budget(info, 4, 50) == 10 * 12 * 50
+
+
+# --- BENCHMARKS.md from saved JSON ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_results(quick_run, tmp_path_factory):
+    """A results dir as benchmarks/run_all.py leaves it, for the sections these tests can
+    fill cheaply: the quick run as the grid, a calibration, and the (instant) simulations."""
+    results = tmp_path_factory.mktemp("results")
+    shutil.copy(quick_run[1] / "out.json", results / "grid.json")
+    profile = json.loads(FIXED_PROFILE.read_text())
+    (results / "calibration.json").write_text(json.dumps({"measurements": profile.pop("measurements"),
+                                                          "profile": profile}))
+    projections = next(s for s in sections.SECTIONS if s.name == "projections")
+    for run in projections.runs:  # "specmoe simulate ... --json > {out}/simulate-....json", in-process
+        args = build_parser().parse_args(shlex.split(run.command.split(" > ")[0])[1:])
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert args.func(args) == 0
+        (results / run.output).write_text(out.getvalue())
+    return results
+
+
+def test_the_report_rewrites_each_section_from_its_saved_json(saved_results, tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Benchmarks\n\nhand-written intro\n")
+    measured = sections.write_report(saved_results, page)
+    text = page.read_text()
+    assert measured == ["machine", "grid", "projections"]
+    assert text.startswith("# Benchmarks\n\nhand-written intro\n")
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [f"## {s.title}" for s in sections.SECTIONS]
+    grid = json.loads((saved_results / "grid.json").read_text())
+    spec4 = next(r for r in grid["records"] if r["policy"] == "specmoe" and r["batch_size"] == 4)
+    assert f"| 4 | specmoe | {spec4['decode_tokens_per_s']:.1f} |" in text  # the figure is the document's
+    nllb = json.loads((saved_results / "simulate-nllb.json").read_text())
+    spec256 = next(r for r in nllb["records"] if r["policy"] == "specmoe" and r["batch_size"] == 256)
+    assert f"{spec256['speedup_vs_ondemand']:.2f}x" in text
+    assert text.count("Not measured yet") == len(sections.SECTIONS) - 3
+    sections.write_report(saved_results, page)
+    assert page.read_text() == text  # rewriting from the same documents changes nothing
+
+
+def test_bench_report_is_one_command(saved_results, tmp_path, capsys):
+    page = tmp_path / "BENCHMARKS.md"
+    code, _, err = run_cli(capsys, "bench", "--report", saved_results, "--markdown", page)
+    assert code == 0, err
+    assert "3 sections with figures" in err and "## Main grid" in page.read_text()
+    code, _, err = run_cli(capsys, "bench", "--report", tmp_path / "none", "--markdown", page)
+    assert code == 2 and "no such directory" in err
+
+
+@pytest.mark.parametrize("section", sections.SECTIONS, ids=lambda s: s.name)
+def test_every_command_of_the_report_parses(section):
+    """A stale flag in a section's command would only show when the lead runs `make bench`."""
+    parser = build_parser()
+    for run in section.runs:
+        for command in (run.command, run.smoke):
+            words = shlex.split(command.replace("{out}", "OUT").split(" > ")[0])
+            if words[0] == "specmoe":
+                args = parser.parse_args(words[1:])
+                if words[1] == "bench":
+                    settings_from_args(args)
+            else:
+                assert words[0] == "python" and (ROOT / words[1]).is_file(), command

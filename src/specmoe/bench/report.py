@@ -140,22 +140,23 @@ def anchor_rows(anchors: list[dict]) -> list[list[str]]:
     return rows
 
 
-ABLATION_HEADER = ["variant", "N", "gamma", "tok/s", "× ondemand", "tok/step", "accept", "MB/token", "= ondemand"]
+ABLATION_HEADER = ["variant", "N", "gamma", "tok/s", "× ondemand", "tok/step", "accept", "agree", "MB/token",
+                   "= ondemand"]
 
 
 def ablation_rows(entry: dict) -> list[list[str]]:
     rows = []
     for r in entry["records"]:
         if r.get("skipped"):
-            rows.append([r["label"], "–", "–", f"skipped: {r['skipped']}"] + ["–"] * 5)
+            rows.append([r["label"], "–", "–", f"skipped: {r['skipped']}"] + ["–"] * 6)
             continue
-        acc = r.get("acceptance_rate")
+        acc, agree = r.get("acceptance_rate"), r.get("draft_target_agreement")
         label = r["label"] + (" (budget raised)" if r.get("budget_raised_to_fit_draft_experts") else "")
         rows.append([
             label, _num(r.get("draft_experts"), "{}"), _num(r.get("gamma"), "{}"), _spread(r, "decode_tokens_per_s"),
             _ratio(r.get("ratio_vs_ondemand")), _num(r.get("tokens_per_step"), "{:.2f}"),
-            "–" if acc is None else f"{acc:.0%}", _num(r.get("transfer_bytes_per_token", 0) / 1e6, "{:.2f}"),
-            _same(r.get("outputs_match_ondemand")),
+            "–" if acc is None else f"{acc:.0%}", "–" if agree is None else f"{agree:.2f}",
+            _num(r.get("transfer_bytes_per_token", 0) / 1e6, "{:.2f}"), _same(r.get("outputs_match_ondemand")),
         ])
     return rows
 
@@ -270,7 +271,7 @@ def print_console(doc: dict, file=None) -> None:
 # --- markdown ------------------------------------------------------------------------------------------
 
 
-def _md_table(header, rows) -> str:
+def md_table(header, rows) -> str:
     esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(map(esc, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
@@ -288,14 +289,17 @@ def default_section(config: dict) -> str:
     return name
 
 
-def markdown(doc: dict, section: str) -> str:
+def markdown(doc: dict, section: str, heading: bool = True) -> str:
+    """The run as a markdown section (`heading=False`: without its title and command, for
+    a BENCHMARKS.md section that states them itself)."""
     c = doc["config"]
-    out = [f"## `specmoe bench`: {section}", "",
-           f"Regenerate: `{c['command']}`", ""]
+    out = [f"## `specmoe bench`: {section}", "", f"Regenerate: `{c['command']}`", ""] if heading else []
     out += [f"- {line}" for line in config_lines(doc) if not line.startswith("command:")]
+    if doc.get("wall_s"):
+        out.append(f"- wall time of the whole run: {doc['wall_s']:.0f} s")
     out.append("")
     if doc["records"]:
-        out += ["### Policies x batch sizes", "", _md_table(MAIN_HEADER, main_rows(doc["records"])), "", LEGEND + ".", ""]
+        out += ["### Policies x batch sizes", "", md_table(MAIN_HEADER, main_rows(doc["records"])), "", LEGEND + ".", ""]
         ratios = ratio_lines(doc["records"])
         if ratios:
             out += ["Ratios (decode tokens/s, measured in this run):", ""] + [f"- {r}" for r in ratios] + [""]
@@ -305,11 +309,11 @@ def markdown(doc: dict, section: str) -> str:
         out += ["### Anchors", "", "Every weight resident. × resident: ratio to specmoe's resident policy; "
                 "tokens = resident: share of generated tokens equal to resident's.", ""]
         if rows:
-            out += [_md_table(ANCHOR_HEADER, rows), ""]
+            out += [md_table(ANCHOR_HEADER, rows), ""]
         out += [f"- {s}" for s in skipped] + ([""] if skipped else [])
     for entry in doc["ablations"]:
         out += [f"### Ablation: {entry['ablation']} (B = {entry['batch_size']})", "", entry["what"] + ".", "",
-                _md_table(ABLATION_HEADER, ablation_rows(entry)), ""]
+                md_table(ABLATION_HEADER, ablation_rows(entry)), ""]
     out += [f"- note: {n}" for n in doc.get("notes", [])]
     if doc.get("notes"):
         out.append("")
