@@ -23,7 +23,7 @@ from ..base.errors import SpecMoEError
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
-from ..policies import Runtime, make_policy
+from ..policies import Runtime, make_policy, min_device_bytes
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token
 from .scheduler import Scheduler
@@ -82,10 +82,13 @@ class Engine:
         )
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype)
         kv_bytes = self._kv_bytes_per_token() * options.max_batch_size * self.max_model_len
-        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes))
+        expert_bytes = self.config.expert_params * torch.tensor([], dtype=self.dtype).element_size()
+        # the smallest budget this configuration runs in: every error about the budget names it
+        minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
+        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
-        self.cache = self.model.new_cache(options.max_batch_size)
+        self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
         self.budget.reserve(

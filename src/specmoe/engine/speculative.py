@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import TorchCoins, accept_greedy, accept_sampled
 from .gamma import GammaTuner
 from .sampling import target_probs
 
@@ -53,7 +53,7 @@ class SpeculativeDecoder:
                 counters.agreed += sum(d == t for d, t in zip(draft, targets))  # teacher-forced agreement
             else:
                 p = target_probs(rows, seq.params).cpu()
-                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, seq.generator)
+                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, TorchCoins(seq.generator))
             cache.truncate(seq.slot, start + accepted + 1)
             counters.drafted += len(draft)
             counters.accepted += accepted
