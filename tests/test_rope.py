@@ -45,7 +45,7 @@ def test_frequencies_match_transformers(family, overrides, long):
 def test_longrope_table_switches_to_the_long_factors_per_position():
     spec = RopeSpec("longrope", theta=100.0, dim=4, original_max_positions=8, short_factor=(1.0, 1.0),
                     long_factor=(2.0, 4.0), short_mscale=1.0, long_mscale=2.0)
-    cos, sin = RotaryTable(spec, torch.device("cpu")).lookup(torch.arange(12), 12, torch.float32)
+    cos, sin = RotaryTable(spec, torch.device("cpu")).lookup(torch.arange(12), torch.float32)
     short, _ = frequencies(spec, "cpu")
     long, _ = frequencies(spec, "cpu", long=True)
     torch.testing.assert_close(cos[7], torch.cos(7 * short))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import string
 import subprocess
 import sys
@@ -26,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 from factories import make_checkpoint  # noqa: E402
+from serving import free_port, serve_in_process, wait_until_healthy  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 
@@ -57,12 +57,6 @@ def write_tokenizer(model_dir) -> None:
     }))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = make_checkpoint("mixtral", tmp_path_factory.mktemp("served") / "tiny-mixtral")
@@ -81,19 +75,11 @@ def server(model_dir, tmp_path_factory):
             stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with status {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
-        time.sleep(0.2)
+    try:
+        wait_until_healthy(url, proc, log_path, STARTUP_TIMEOUT_S)
+    except AssertionError:
+        proc.kill()
+        raise
     yield url
     proc.terminate()
     try:
@@ -371,29 +357,14 @@ def test_openai_client_raises_on_a_bad_key(server):
 def spec_server(model_dir, offline, tmp_path_factory):
     """The app over a `specmoe`-policy engine (experts offloaded to host memory, half of
     them fit on the device), served by uvicorn on a thread of this process."""
-    import uvicorn
-
-    from specmoe.server.app import create_app
-    from specmoe.server.command import bind
-
     batch, max_len = 8, offline.engine.max_model_len
     e = offline.engine
     experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
     budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + 0.5 * experts)
     llm = LLM(model=str(model_dir), device="cpu", policy="specmoe", offload="host", device_memory=budget,
               max_batch_size=batch, gamma=3)
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm.engine, "tiny-mixtral"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_process(llm.engine, "tiny-mixtral") as url:
+        yield url
     llm.close()
 
 

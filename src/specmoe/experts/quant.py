@@ -280,19 +280,23 @@ def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert, spec: Ex
     return expert_forward(spec, x, qexpert.gate_up.linear, qexpert.down.linear, b_in, b_out)
 
 
-def expert_nbytes(spec: ExpertSpec, mode: str) -> int:
-    """Device bytes of one quantized expert (data + scales + float32 biases), without building it."""
+def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
+    """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
+    without building it: in the layout `device_layout` gives it on `device` (None: the
+    portable layout, as stored), computing in `dtype`; float32 biases where the family has them."""
     if mode == "none":
-        return 0
-    bits = BITS[mode]
-    scale_size = torch.tensor([], dtype=SCALE_DTYPE).element_size()
-
-    def matrix(out: int, in_features: int) -> int:
-        data = packed_size(out * in_features, bits)
-        return data + out * (in_features // group_size(in_features)) * scale_size
-
-    biases = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
-    return matrix(spec.in_rows, spec.hidden) + matrix(spec.hidden, spec.inter) + biases
+        return 0, 0
+    bits, elem = BITS[mode], torch.tensor([], dtype=dtype).element_size()
+    copy = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
+    scratch = 0
+    for out, in_features in ((spec.in_rows, spec.hidden), (spec.hidden, spec.inter)):
+        groups = in_features // group_size(in_features)
+        if device is not None and int4_kernel_fits(device, bits, out, group_size(in_features)):
+            copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
+        else:
+            copy += packed_size(out * in_features, bits) + out * groups * torch.tensor([], dtype=SCALE_DTYPE).element_size()
+            scratch = max(scratch, out * in_features * elem)
+    return copy, scratch
 
 
 class QuantizedExperts:

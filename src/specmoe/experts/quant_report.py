@@ -9,7 +9,7 @@ import torch
 
 from ..base.checkpoint import Checkpoint
 from ..model.moe import run_expert
-from .quant import BITS, check_mode, expert_nbytes, group_size, load_quantized, quantized_expert_forward
+from .quant import BITS, check_mode, draft_copy_bytes, group_size, load_quantized, quantized_expert_forward
 
 
 @torch.no_grad()
@@ -50,7 +50,7 @@ def quant_error_report(ckpt: Checkpoint, mode: str, inputs: dict[int, torch.Tens
             dq = torch.cat([m.reshape(-1) for m in qe.dequantize(torch.float32)])
             w = buf[: dq.numel()]  # the matrices; biases are kept exactly
             weight_errors.append(float((dq - w).norm() / w.norm().clamp_min(1e-30)))
-        qbytes = expert_nbytes(spec, mode)
+        qbytes = draft_copy_bytes(spec, mode)[0]
         rows.append({
             "layer": layer,
             "mode": mode,

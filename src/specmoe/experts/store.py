@@ -110,7 +110,9 @@ class DiskStore(ExpertStore):
         self.index = {key: i for i, key in enumerate(keys)}
         self.checksums = self._load_or_write(ckpt)
         self.verified = [False] * len(keys)
-        self.fd, self.direct = _open_direct(self.path)
+        self.fd, self.direct, self.direct_reason = _open_direct(self.path)
+        if not self.direct:
+            _warn_buffered(self.path, self.direct_reason)
         self._buffers = threading.local()  # one aligned bounce buffer per reading thread
 
     def _load_or_write(self, ckpt: Checkpoint) -> list[int]:
@@ -148,7 +150,13 @@ class DiskStore(ExpertStore):
         i = self.index[key]
         buf = self._bounce()
         offset = i * self.blob_size
-        got = os.preadv(self.fd, [buf], offset)
+        try:
+            got = os.preadv(self.fd, [buf], offset)
+        except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
+            if not self.direct:
+                raise
+            self._fall_back_to_buffered(f"O_DIRECT read refused: {exc.strerror}")
+            got = os.preadv(self.fd, [buf], offset)
         if got < self.nbytes:
             raise SpecMoEError(f"{self.path}: short read of expert {key} ({got} of {self.nbytes} bytes); delete the file to rebuild it")
         if not self.direct:  # drop what the read put in the page cache: the next read hits the disk
@@ -160,20 +168,52 @@ class DiskStore(ExpertStore):
             self.verified[i] = True
         dest.view(torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
 
+    def _fall_back_to_buffered(self, reason: str) -> None:
+        os.close(self.fd)
+        self.fd, self.direct, self.direct_reason = os.open(self.path, os.O_RDONLY), False, reason
+        _warn_buffered(self.path, reason)
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def _open_direct(path: Path) -> tuple[int, bool]:
+def _open_direct(path: Path) -> tuple[int, bool, str]:
+    """(fd, whether reads bypass the page cache, why or why not)."""
     flag = getattr(os, "O_DIRECT", 0)
-    if flag:
+    if not flag:
+        return os.open(path, os.O_RDONLY), False, f"O_DIRECT is not available on {sys.platform}"
+    try:
+        return os.open(path, os.O_RDONLY | flag), True, "O_DIRECT"
+    except OSError as exc:  # e.g. a file system without direct I/O
+        return os.open(path, os.O_RDONLY), False, f"O_DIRECT refused: {exc.strerror}"
+
+
+def _warn_buffered(path: Path, reason: str) -> None:
+    print(f"specmoe: warning: {path.parent} does not bypass the page cache ({reason}); expert reads are "
+          "buffered and dropped with posix_fadvise(DONTNEED), so repeated reads may come from memory, "
+          "not the disk: put --offload-dir on a file system with direct I/O", file=sys.stderr)
+
+
+def direct_io_support(directory: Path) -> tuple[bool, str]:
+    """Whether files in `directory` can be read with the page cache bypassed, and why
+    (for `specmoe info`): opens and reads a small file there the way the store does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".direct-io-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(ALIGN))
+        fd, direct, reason = _open_direct(probe)
         try:
-            return os.open(path, os.O_RDONLY | flag), True
-        except OSError:
-            pass  # e.g. tmpfs does not support O_DIRECT
-    return os.open(path, os.O_RDONLY), False
+            if direct:
+                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
+        except OSError as exc:
+            direct, reason = False, f"O_DIRECT read refused: {exc.strerror}"
+        finally:
+            os.close(fd)
+        return direct, reason
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def open_store(ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, device: torch.device, tier: str,

@@ -120,23 +120,24 @@ class LayerCacheSpec:
 
 
 class KVCache:
-    """Keys (and values) of every layer: [slots, heads, capacity, dim] per layer; capacity
-    grows on demand for full layers, and is a fixed ring for windowed ones."""
+    """Keys (and values) of every layer: [slots, heads, positions, dim], allocated once at
+    full size: `max_len` positions for a full layer, its ring for a windowed one. The
+    engine charges the device budget for exactly that, so the cache never holds more than
+    the budget says."""
 
     def __init__(self, layers: list[LayerCacheSpec], num_slots: int, max_len: int, dtype, device,
-                 initial_capacity: int = 128, rollback: int = 16):
+                 rollback: int = 16):
         self.layers, self.num_slots = list(layers), num_slots
         self.max_len, self.dtype, self.device, self.rollback = max_len, dtype, device, rollback
         self.ring = [None if s.window is None else cache_positions(s.window, max_len, rollback) for s in self.layers]
-        self.capacity = 0
-        self.k: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.v: list[torch.Tensor | None] = [None] * len(self.layers)
-        for i, size in enumerate(self.ring):
-            if size is not None:
-                self.k[i], self.v[i] = self._alloc(self.layers[i], size)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor | None] = []
+        for spec, ring in zip(self.layers, self.ring):
+            k, v = self._alloc(spec, max_len if ring is None else ring)
+            self.k.append(k)
+            self.v.append(v)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
-        self._grow(min(initial_capacity, max_len))
 
     # --- slots: plain bookkeeping -------------------------------------------------------
 
@@ -192,25 +193,14 @@ class KVCache:
                 f"a sequence needs {length} positions but the context holds {self.max_len}: "
                 "shorten the prompt, lower --max-tokens or raise --max-model-len"
             )
-        if length > self.capacity:
-            self._grow(min(self.max_len, max(length, 2 * self.capacity)))
 
-    def _alloc(self, spec: LayerCacheSpec, capacity: int):
+    def _alloc(self, spec: LayerCacheSpec, positions: int):
         def make(dim):
-            return torch.zeros(self.num_slots, spec.heads, capacity, dim, dtype=self.dtype, device=self.device)
+            # zeros, not empty: padded rows of a batch read positions no token wrote, and
+            # garbage there could be NaN, which a zero attention weight does not cancel
+            return torch.zeros(self.num_slots, spec.heads, positions, dim, dtype=self.dtype, device=self.device)
 
         return make(spec.k_dim), (make(spec.v_dim) if spec.v_dim else None)
-
-    def _grow(self, capacity: int) -> None:
-        for i, spec in enumerate(self.layers):
-            if self.ring[i] is not None:
-                continue
-            new_k, new_v = self._alloc(spec, capacity)
-            for old, new in ((self.k[i], new_k), (self.v[i], new_v)):
-                if old is not None:
-                    new[:, :, : self.capacity].copy_(old)
-            self.k[i], self.v[i] = new_k, new_v
-        self.capacity = capacity
 
     def write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor | None):
         """Store the new tokens' k [T, heads, k_dim] (and v); return the keys and values

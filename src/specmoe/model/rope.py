@@ -93,28 +93,23 @@ def frequencies(spec: RopeSpec, device, long: bool = False) -> tuple[torch.Tenso
 
 
 class RotaryTable:
-    """cos/sin [P, F] of every position up to a capacity that grows on demand."""
+    """cos/sin [T, F] of the positions a pass needs, computed for that pass: no table of
+    every position stays on the device outside the budget."""
 
     def __init__(self, spec: RopeSpec, device: torch.device):
-        self.spec, self.device = spec, device
-        self.cos = self.sin = torch.empty(0, spec.dim // 2, device=device)
+        self.spec = spec
+        self.inv_freq, self.scale = frequencies(spec, device)
+        if spec.kind == "longrope":  # positions past the pre-training context: the long factors
+            self.inv_long, self.scale_long = frequencies(spec, device, long=True)
 
-    def lookup(self, positions: torch.Tensor, capacity: int, dtype: torch.dtype):
-        if capacity > self.cos.shape[0]:
-            steps = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32, device=self.device)
-            self.cos, self.sin = self._table(steps)
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-    def _table(self, steps: torch.Tensor):
-        inv_freq, scale = frequencies(self.spec, self.device)
-        freqs = torch.outer(steps, inv_freq)
-        cos, sin = freqs.cos() * scale, freqs.sin() * scale
-        if self.spec.kind == "longrope":  # positions past the pre-training context: the long factors
-            inv_long, scale_long = frequencies(self.spec, self.device, long=True)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        steps = positions.to(torch.float32)
+        freqs, scale = torch.outer(steps, self.inv_freq), torch.full_like(steps, self.scale)
+        if self.spec.kind == "longrope":
             late = steps >= self.spec.original_max_positions
-            long_freqs = torch.outer(steps[late], inv_long)
-            cos[late], sin[late] = long_freqs.cos() * scale_long, long_freqs.sin() * scale_long
-        return cos, sin
+            freqs = torch.where(late[:, None], torch.outer(steps, self.inv_long), freqs)
+            scale = torch.where(late, self.scale_long, scale)
+        return (freqs.cos() * scale[:, None]).to(dtype), (freqs.sin() * scale[:, None]).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:

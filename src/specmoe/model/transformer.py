@@ -34,10 +34,9 @@ class MoETransformer:
         self.rotary = RotaryTable(config.rope, device)
         self.attention = ATTENTION[config.attention.kind]
 
-    def new_cache(self, num_slots: int, max_len: int | None = None, initial_capacity: int = 128,
-                  rollback: int = 16) -> KVCache:
-        """`max_len` positions per sequence (default: the model's context); `rollback`: the
-        most positions a step may write and then truncate (gamma)."""
+    def new_cache(self, num_slots: int, max_len: int | None = None, rollback: int = 16) -> KVCache:
+        """A KV cache of `num_slots` sequences of up to `max_len` positions (default: the
+        model's context); `rollback`: the most positions a step may write and then truncate."""
         a = self.config.attention
         if a.kind == "mla":  # the latent and the rotary key, one "head" shared by all query heads
             shape = dict(heads=1, k_dim=a.kv_lora_rank + a.qk_rope_dim, v_dim=0)
@@ -45,7 +44,7 @@ class MoETransformer:
             shape = dict(heads=a.num_kv_heads, k_dim=a.head_dim, v_dim=a.v_head_dim)
         layers = [LayerCacheSpec(**shape, window=w) for w in self.config.windows]
         return KVCache(layers, num_slots, max_len or self.config.max_position_embeddings, self.dtype, self.device,
-                       initial_capacity, rollback)
+                       rollback)
 
     def step_batch(self, slots, starts, counts) -> StepBatch:
         return StepBatch.build(slots, starts, counts, self.device)
@@ -54,7 +53,7 @@ class MoETransformer:
     def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache, experts: ExpertBackend) -> torch.Tensor:
         c = self.config
         cache.reserve(batch.kv_len)
-        rope = self.rotary.lookup(batch.positions, batch.kv_len, self.dtype)
+        rope = self.rotary.lookup(batch.positions, self.dtype)
         h = F.embedding(tokens, self.weights.embed)  # [T, D]
         for i, lw in enumerate(self.weights.layers):
             x = self.norm(h, lw.attn_norm, lw.attn_norm_bias)

@@ -1,0 +1,56 @@
+"""Servers for the tests, on loopback only: a free port, the app in this process, and
+waiting for a server subprocess to answer /health."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_in_process(engine, model_name: str):
+    """The app over `engine`, served by uvicorn on a thread of this process; yields its URL."""
+    import uvicorn
+
+    from specmoe.server.app import create_app
+    from specmoe.server.command import bind
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_until_healthy(url: str, proc, log_path, timeout_s: float) -> None:
+    """Until `url`/health answers 200; fails with the server's log if `proc` exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with status {proc.returncode}:\n{log_path.read_text()}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not answer /health within {timeout_s} s:\n" \
+            f"{log_path.read_text()}"
+        time.sleep(0.2)
