@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# The families people offload today (see _FAMILY_SPECS for what each exercises).
+LARGE_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "phimoe")
+ALL_FAMILIES = FAMILIES + LARGE_FAMILIES
 LAYOUTS = ("per_expert", "fused")
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -117,42 +120,145 @@ _FAMILY_SPECS = {
 }
 
 
+_SMALL_ATTENTION = dict(num_key_value_heads=4)  # MLA: every head has its own K and V
+_MLA = dict(kv_lora_rank=12, q_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+
+# The large families: odd expert counts, shared experts, dense first layers, each family's
+# own router, attention and RoPE scaling, windows shorter than the test contexts.
+_FAMILY_SPECS.update({
+    # MLA with a q latent, YaRN (factor 4 over 64 positions, mscale_all_dim != mscale: the
+    # softmax scale changes), sigmoid routing with correction bias in 3 groups (2 kept),
+    # 9 experts top-3, a shared expert, one dense first layer, interleaved RoPE
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_hidden_layers=3, **_SMALL_ATTENTION, **_MLA, intermediate_size=40, moe_intermediate_size=16,
+            n_routed_experts=9, n_shared_experts=1, num_experts_per_tok=3, n_group=3, topk_group=2,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.707,
+                             "beta_fast": 32.0, "beta_slow": 1.0},
+        ),
+    ),
+    # MLA without a q latent (V2-Lite), softmax routing limited to the best 2 of 3 groups,
+    # two shared experts, scaled weights
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_hidden_layers=3, **_SMALL_ATTENTION, **{**_MLA, "q_lora_rank": None}, intermediate_size=40,
+            moe_intermediate_size=16, n_routed_experts=9, n_shared_experts=2, num_experts_per_tok=3, n_group=3,
+            topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
+        ),
+    ),
+    # GQA with per-head q/k norm, q/k/v bias, half the head rotated, sigmoid grouped routing
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, intermediate_size=40, moe_intermediate_size=16, n_routed_experts=9,
+            n_shared_experts=1, num_experts_per_tok=3, n_group=3, topk_group=2, first_k_dense_replace=1,
+            use_qk_norm=True, attention_bias=True, norm_topk_prob=True, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
+    # attention sinks, sliding (window 8) / full layers, router bias and softmax over the
+    # top-k, expert biases, the clamped SwiGLU (limit 1: the clamp bites), YaRN
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=3, head_dim=16, intermediate_size=16, num_local_experts=7, num_experts_per_tok=2,
+            sliding_window=8, swiglu_limit=1.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 30000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+        ),
+    ),
+    # MoE every 2nd layer, top-1 sigmoid router scaling the expert input, a shared expert,
+    # NoPE layers (1, 3) with attention temperature (floor_scale 4: it varies here),
+    # chunked attention (8) with q/k L2 norm in the RoPE layers, llama3 RoPE scaling
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_hidden_layers=4, head_dim=16, intermediate_size=16, intermediate_size_mlp=40, num_local_experts=5,
+            num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2,
+            attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, use_qk_norm=True,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+    ),
+    # sparsemixer top-2 (eps 0.3: several experts inside the threshold), LayerNorm, q/k/v/o
+    # biases, LongRoPE with its own cos/sin scale (the tests stay inside its 128 pre-training
+    # positions: past them transformers switches the scale for the whole batch, see README)
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            num_hidden_layers=2, intermediate_size=16, num_local_experts=7, num_experts_per_tok=2,
+            attention_bias=True, router_jitter_noise=0.3,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 30000.0,
+                             "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 3.0, 4.0],
+                             "original_max_position_embeddings": 128, "short_mscale": 1.2, "long_mscale": 1.3},
+        ),
+    ),
+})
+
+# Llama 4 as the Hub ships it: the text model inside Llama4ForConditionalGeneration, with a
+# (tiny) vision tower the engine does not load.
+_LLAMA4_VISION = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, image_size=28,
+                      patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+
+
 def _transformers():
     import transformers
 
     return transformers
 
 
-def build_config(family: str, **overrides):
-    """The transformers config of the tiny model of ``family`` (``overrides`` win)."""
+def build_config(family: str, *, multimodal: bool = False, **overrides):
+    """The transformers config of the tiny model of ``family`` (``overrides`` win).
+    ``multimodal`` (llama4 only): the text model inside a Llama4ForConditionalGeneration."""
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose one of {ALL_FAMILIES}")
     config_name, _, fields = _FAMILY_SPECS[family]
     kwargs = {**_COMMON, **fields, **overrides}
-    return getattr(_transformers(), config_name)(**kwargs)
+    tr = _transformers()
+    if multimodal:
+        return tr.Llama4Config(text_config=kwargs, vision_config=_LLAMA4_VISION,
+                               tie_word_embeddings=kwargs["tie_word_embeddings"])
+    return getattr(tr, config_name)(**kwargs)
 
 
 @torch.no_grad()
-def build_model(family: str, *, seed: int = 0, std: float = INIT_STD, **overrides):
+def build_model(family: str, *, seed: int = 0, std: float = INIT_STD, multimodal: bool = False, **overrides):
     """A tiny random float32 model of ``family`` in eval mode, weights drawn from ``seed``."""
     _, model_name, _ = _FAMILY_SPECS[family]
-    config = build_config(family, **overrides)
+    config = build_config(family, multimodal=multimodal, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = getattr(_transformers(), model_name)(config).to(torch.float32).eval()
+    cls = "Llama4ForConditionalGeneration" if multimodal else model_name
+    model = getattr(_transformers(), cls)(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    # correction biases are buffers; drawn too, or the sigmoid routers would not use them
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "correction_bias" in n)]
+    for name, param in sorted(tensors, key=lambda t: t[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if "norm" in name.rsplit(".", 2)[-2]:  # RMSNorm weights: around 1, not 0
+        if "norm" in name.rsplit(".", 2)[-2] and name.endswith("weight"):  # norm weights: around 1, not 0
             param.copy_(1.0 + 0.1 * noise)
         elif "embed_tokens" in name:  # token identity must dominate the residual stream,
             param.copy_(noise)  # else all positions route alike
+        elif "sinks" in name:  # attention sinks: logits comparable with q.k
+            param.copy_(noise)
         else:  # linear weights, biases, embeddings, routers, experts
             param.copy_(std * noise)
+    text = getattr(config, "text_config", config)
     model.generation_config = _transformers().GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
     )
     return model
 
@@ -204,6 +310,82 @@ def make_checkpoint(
     return out
 
 
+def to_mxfp4(path) -> Path:
+    """Rewrite a (single-file, fused) GPT-OSS checkpoint's expert matrices as the released
+    checkpoints hold them: MXFP4 `*_blocks` / `*_scales`, [out, in] per expert, 32-value
+    blocks along `in` with a power-of-two scale each; config.json says quant_method mxfp4.
+    The in dimensions must be multiples of 32."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = _single_file(path)
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # stored [E, in, out] for x @ W: back to [E, out, in]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4(w)
+    save_file(tensors, str(file), metadata=metadata)
+    cfg = read_config(path)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                  "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (Path(path) / "config.json").write_text(json.dumps(cfg))
+    return Path(path)
+
+
+def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
+    """Two copies of a (single-file, per-expert) checkpoint: one as DeepSeek-V3 and Kimi-K2
+    are released (every linear weight but the embedding, head and routers in float8_e4m3fn
+    with a float32 `weight_scale_inv` per block x block tile: max |w| / 448), and a float32
+    reference holding exactly those FP8 values times their tile's scale, computed tile by
+    tile here (transformers reads it without any quantization support)."""
+    import shutil
+
+    fp8, reference = Path(out_dir) / "fp8", Path(out_dir) / "fp8-reference"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, reference)
+    quantized, dequantized = {}, {}
+
+    def quantize(tensors):
+        for name in [k for k, t in tensors.items() if t.dim() == 2 and k.endswith(".weight")]:
+            if any(part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")):
+                continue
+            w = tensors[name].float()
+            scale = torch.empty(w.shape[0] // block, w.shape[1] // block)
+            w8 = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+            back = torch.empty(w.shape)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                    scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+                    w8[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(w8.dtype)
+                    back[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                        w8[i * block:(i + 1) * block, j * block:(j + 1) * block].float() * scale[i, j]
+            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = w8, scale, back
+        tensors.update(quantized)
+
+    _rewrite(fp8, quantize)
+    _rewrite(reference, lambda tensors: tensors.update(dequantized))
+    cfg = read_config(fp8)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    return fp8, reference
+
+
+def _mxfp4(w: torch.Tensor):
+    """w [..., in] -> (blocks [..., in/32, 16] uint8, scales [..., in/32] uint8): each value
+    the nearest of the 16 e2m1 values times the block's 2^e, e the smallest with max|w| <= 6 * 2^e."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - values).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
 def _cached_model(path):
     """The loaded model of ``path``, reused while the directory's files are unchanged."""
     path = Path(path).resolve()
@@ -219,10 +401,17 @@ def _load_cached(path: str, stamp: tuple):
 def _load(path):
     """transformers' float32 model of a checkpoint directory, eval mode, eager attention."""
     tr = _transformers()
-    model = tr.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager"
-    )
-    return model.eval()
+    cfg = read_config(path)
+    multimodal = "Llama4ForConditionalGeneration" in cfg.get("architectures", [])
+    cls = tr.Llama4ForConditionalGeneration if multimodal else tr.AutoModelForCausalLM
+    extra = {}
+    method = cfg.get("quantization_config", {}).get("quant_method")
+    if method == "mxfp4":  # transformers' own dequantization
+        extra["quantization_config"] = tr.Mxfp4Config(dequantize=True)
+
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **extra)
+    # the multimodal Llama 4's own forward needs images; its text model is a Llama4ForCausalLM
+    return (model.language_model if multimodal else model).eval()
 
 
 @torch.no_grad()

@@ -30,7 +30,9 @@ def test_nllb_decoder_has_six_moe_layers_of_128_two_matrix_experts():
 
 
 @pytest.mark.parametrize("name,params_b", [("llama-4-scout", 109), ("qwen3-30b-a3b", 30.5),
-                                           ("mixtral-8x22b", 141), ("deepseek-v2-lite", 15.7)])
+                                           ("mixtral-8x22b", 141), ("deepseek-v2-lite", 15.7),
+                                           ("deepseek-v3", 671), ("kimi-k2", 1040), ("glm-4.5-air", 106),
+                                           ("gpt-oss-120b", 117), ("gpt-oss-20b", 21), ("qwen3-235b-a22b", 235)])
 def test_preset_total_parameters_match_the_model_card(name, params_b):
     s = PRESETS[name]
     assert s.total_bytes / s.bytes_per_param / 1e9 == pytest.approx(params_b, rel=0.06)
@@ -89,3 +91,29 @@ def test_unsupported_family_names_the_supported_ones(tmp_path):
 def test_unknown_shape_name_lists_presets():
     with pytest.raises(ValueError, match="nllb-moe-54b"):
         load_shape("gpt-5")
+
+
+def test_mla_presets_cache_the_latent_not_full_keys_and_values():
+    s = PRESETS["deepseek-v3"]
+    assert s.kv_bytes_per_token == 61 * (512 + 64) * 2  # 70 kB: the latent and the rotary key, bf16
+    assert s.kv_bytes_per_token * 60 < 61 * 128 * (192 + 128) * 2  # K (192) and V (128) of 128 heads: 68x more
+
+
+def test_windowed_layers_cache_at_most_their_window():
+    s = PRESETS["gpt-oss-120b"]
+    per_layer = s.kv_bytes_per_token // s.num_layers
+    assert s.kv_bytes_per_sequence(100) == 36 * 100 * per_layer
+    assert s.kv_bytes_per_sequence(4096) == (18 * 4096 + 18 * 128) * per_layer
+
+
+def test_a_deepseek_config_reads_to_its_mla_shape(tmp_path):
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
+           "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "intermediate_size": 18432,
+           "n_shared_experts": 1, "first_k_dense_replace": 3, "num_attention_heads": 128, "num_key_value_heads": 128,
+           "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+           "v_head_dim": 128, "n_group": 8, "topk_group": 4, "vocab_size": 129280, "torch_dtype": "bfloat16",
+           "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}
+    s, p = shape_from_config(_write(tmp_path, cfg)), PRESETS["deepseek-v3"]
+    assert (s.moe_layers, s.kv_bytes_per_token, s.attention_params, s.expert_bytes, s.non_expert_bytes) == \
+        (p.moe_layers, p.kv_bytes_per_token, p.attention_params, p.expert_bytes, p.non_expert_bytes)

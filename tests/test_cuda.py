@@ -12,6 +12,7 @@ from factories import (
     BOOKKEEPING_ALLOWANCE,
     assert_policy_run_is_exact,
     cuda_activation_allowance,
+    expert_share_budget,
     random_prompts,
     watch_device_bytes,
     watch_draft_reads,
@@ -99,9 +100,7 @@ def cuda_reference(tiny_ckpt):
     prompts = random_prompts(8, 128, 3, 10, seed=7)
     ref = LLM(model=str(path), device="cuda", max_batch_size=8, max_model_len=64)
     ref.generate(prompts, GREEDY)
-    e = ref.engine
-    experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
-    budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * 8 * 64 + 0.5 * experts)
+    budget = expert_share_budget(ref, 0.5, 8, 64)
     sha = ref.last_stats["token_ids_sha256"]
     ref.close()
     return path, prompts, sha, budget
@@ -194,3 +193,21 @@ def test_logprobs_on_cuda_equal_the_cpu_ones(cuda_reference, tmp_path):
         values[device] = [p.logprob for o in outs for p in o.prompt_logprobs[1:] + o.logprobs]
         llm.close()
     assert values["cuda"] == pytest.approx(values["cpu"], abs=1e-3)  # GPU and CPU kernels round differently
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "phimoe"])
+def test_large_families_on_cuda_give_residents_tokens_under_every_policy(tiny_ckpt, tmp_path, family):
+    """MLA's latent cache, windowed rings, sinks, input-scaled routing, LayerNorm: the same
+    code on the GPU, every offloading policy against resident there."""
+    path = str(tiny_ckpt(family))
+    prompts = random_prompts(4, 128, 3, 20, seed=7)
+    shape = dict(device="cuda", max_batch_size=4, max_model_len=64)
+    ref = LLM(model=path, **shape)
+    ref.generate(prompts, GREEDY)
+    sha, budget = ref.last_stats["token_ids_sha256"], expert_share_budget(ref, 0.5, 4, 64)
+    ref.close()
+    for policy in POLICIES:
+        llm = LLM(model=path, policy=policy, offload="host", offload_dir=str(tmp_path), device_memory=budget, **shape)
+        llm.generate(prompts, GREEDY)
+        assert_policy_run_is_exact(llm.last_stats, sha, policy)
+        llm.close()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specmoe import LLM
-from specmoe.model.kv_cache import KVCache
+from specmoe.model.kv_cache import KVCache, LayerCacheSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -64,7 +64,7 @@ def test_cache_refuses_more_positions_than_the_context(llm):
 def test_freed_slots_are_reused_lowest_first():
     """A new batch gets the lowest free slots, so after a batch ends the next one is again
     a contiguous run of slots (attention then reads the cache in place)."""
-    cache = KVCache(1, 4, 1, 2, 16, torch.float32, torch.device("cpu"))
+    cache = KVCache([LayerCacheSpec(heads=1, k_dim=2, v_dim=2)], 4, 16, torch.float32, torch.device("cpu"))
     slots = [cache.allocate() for _ in range(4)]
     assert slots == [0, 1, 2, 3]
     for s in (0, 2, 1, 3):

@@ -1,9 +1,10 @@
 """specmoe reproduces transformers on real Hugging Face checkpoint formats.
 
 Every case is a tiny random checkpoint written by transformers itself (factories.py):
-four families, both tensor layouts (per-expert Hub names and transformers 5's fused
-expert tensors), sharded files, and a few config variants. specmoe must give the same
-log-probabilities (max |diff| <= 1e-4 in float32) for a batch of prompts of different lengths in
+every family, both tensor layouts (per-expert Hub names and transformers 5's fused
+expert tensors), sharded files, and a few config variants (windows shorter than the
+contexts, top-8 without a shared expert, the multimodal Llama 4 layout). specmoe must give
+the same log-probabilities (max |diff| <= 1e-4 in float32) for a batch of prompts of different lengths in
 one forward pass, and the same 32 greedy tokens for each prompt, generated as one batch.
 """
 
@@ -16,7 +17,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from factories import FAMILIES, LAYOUTS, VOCAB, hf_greedy, hf_greedy_reference, hf_logits, random_prompts  # noqa: E402
+from factories import (  # noqa: E402
+    FAMILIES,
+    LARGE_FAMILIES,
+    LAYOUTS,
+    VOCAB,
+    hf_greedy,
+    hf_greedy_reference,
+    hf_logits,
+    random_prompts,
+)
 
 ATOL = 1e-4
 MAX_TOKENS = 32
@@ -35,7 +45,29 @@ CASES = [
     pytest.param("olmoe", "fused", 1, {"clip_qkv": 1.0}, id="olmoe-clip_qkv"),
     # No lm_head.weight in the file: the head is the embedding matrix.
     pytest.param("qwen3_moe", "per_expert", 1, {"tie_word_embeddings": True}, id="qwen3_moe-tied"),
+    # Mixtral with a sliding window (8) far shorter than the contexts (up to 72): the ring cache.
+    pytest.param("mixtral", "per_expert", 1, {"sliding_window": 8}, id="mixtral-sliding8"),
+    # The large families (factories.py says what each exercises), both expert layouts where
+    # transformers writes two (GPT-OSS and Llama 4 have only the fused one).
+    *(pytest.param(f, lay, 1, {}, id=f"{f}-{lay}")
+      for f in ("deepseek_v2", "deepseek_v3", "glm4_moe", "phimoe") for lay in LAYOUTS),
+    pytest.param("gpt_oss", "fused", 1, {}, id="gpt_oss"),
+    pytest.param("llama4", "fused", 1, {}, id="llama4"),
+    pytest.param("deepseek_v3", "fused", 2, {}, id="deepseek_v3-fused-2shards"),
+    # top-8 of 11 experts, no shared expert, one expert group
+    pytest.param("deepseek_v3", "fused", 1, dict(n_routed_experts=11, num_experts_per_tok=8, n_group=1, topk_group=1,
+                                                 n_shared_experts=0), id="deepseek_v3-top8-no_shared"),
+    # the Hub's Llama 4: text model inside Llama4ForConditionalGeneration, beside a vision tower
+    pytest.param("llama4", "fused", 1, {"multimodal": True}, id="llama4-multimodal"),
 ]
+
+
+# Greedy decoding runs the same code whatever the expert layout or file split: for the large
+# families once each (the logits test covers loading every layout and variant; routing
+# variants decode in tests/test_families.py).
+LOADING_ONLY = {f"{f}-fused" for f in LARGE_FAMILIES} | {"deepseek_v3-fused-2shards", "deepseek_v3-top8-no_shared",
+                                                         "llama4-multimodal"}
+GREEDY_CASES = [c for c in CASES if c.id not in LOADING_ONLY]
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -70,7 +102,7 @@ def test_score_matches_transformers_log_softmax(tiny_ckpt, family, layout, shard
         )
 
 
-@pytest.mark.parametrize(("family", "layout", "shards", "overrides"), CASES)
+@pytest.mark.parametrize(("family", "layout", "shards", "overrides"), GREEDY_CASES)
 def test_greedy_generate_matches_transformers(tiny_ckpt, family, layout, shards, overrides):
     from specmoe import SamplingParams
 

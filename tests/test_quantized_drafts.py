@@ -8,6 +8,7 @@ from factories import BOOKKEEPING_ALLOWANCE, expert_share_budget, random_prompts
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
+from specmoe.base.specs import ExpertSpec
 from specmoe.experts.quant import (
     BITS,
     Int4KernelMatrix,
@@ -18,13 +19,13 @@ from specmoe.experts.quant import (
     load_quantized,
     pack,
     packed_size,
-    quant_error_report,
     quantize_expert,
     quantize_matrix,
     quantize_all,
     quantized_expert_forward,
     unpack,
 )
+from specmoe.experts.quant_report import quant_error_report
 from specmoe.model.moe import run_expert
 
 MODES = ["int8", "int4", "int3"]
@@ -91,17 +92,18 @@ def test_matrices_the_kernel_cannot_take_keep_the_portable_format():
     assert isinstance(device_layout(quantize_matrix(torch.randn(32, 64), 8), torch.device("cpu")), QuantizedMatrix)
 
 
+@pytest.mark.parametrize("spec", [ExpertSpec(128, 64), ExpertSpec(128, 64, "clamped_swiglu", bias=True, limit=1.0)],
+                         ids=["swiglu", "clamped_swiglu_with_biases"])
 @pytest.mark.parametrize("mode", MODES)
-def test_quantized_expert_forward_is_close_to_the_full_expert(mode):
-    hidden, inter = 128, 64
-    buf = torch.randn(3 * hidden * inter, generator=torch.Generator().manual_seed(2)) * 0.05
-    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(3))
-    qe = quantize_expert(buf, hidden, inter, BITS[mode])
-    y, yq = run_expert(buf, x, hidden, inter), quantized_expert_forward(x, qe)
-    assert qe.nbytes == draft_copy_bytes(hidden, inter, mode)[0]
+def test_quantized_expert_forward_is_close_to_the_full_expert(mode, spec):
+    buf = torch.randn(spec.numel, generator=torch.Generator().manual_seed(2)) * 0.05
+    x = torch.randn(5, spec.hidden, generator=torch.Generator().manual_seed(3))
+    qe = quantize_expert(buf, spec, BITS[mode])
+    y, yq = run_expert(buf, x, spec), quantized_expert_forward(x, qe, spec)
+    assert qe.nbytes == draft_copy_bytes(spec, mode)[0]
     bound = {"int8": 0.02, "int4": 0.25, "int3": 0.5}[mode]
     assert float((yq - y).norm() / y.norm()) < bound
-    on_device = quantized_expert_forward(x, qe.to(torch.device("cpu")))  # fused int4 kernel where it applies
+    on_device = quantized_expert_forward(x, qe.to(torch.device("cpu")), spec)  # fused int4 kernel where it applies
     assert float((on_device - y).norm() / y.norm()) < bound
 
 
@@ -166,7 +168,7 @@ def test_the_copies_bytes_are_known_before_they_are_built(reference, tmp_path, m
     c = ckpt.config
     keys = [(layer, e) for layer in c.moe_layer_ids for e in range(c.num_experts)]
     copies = quantize_all(ckpt, keys, mode, torch.float32, tmp_path, torch.device("cpu"))
-    copy, scratch = draft_copy_bytes(c.hidden_size, c.expert_intermediate_size, mode, torch.device("cpu"))
+    copy, scratch = draft_copy_bytes(c.expert, mode, torch.device("cpu"))
     assert (copies.nbytes, copies.scratch_bytes(torch.float32)) == (copy * len(keys), scratch)
 
 

@@ -3,8 +3,8 @@
 The index (or the single file's header) is read once; a tensor is read when asked for.
 Tensor names differ between families and between transformers versions; the tables
 below map each internal role to the names it may have. One routed expert is handed out
-as one contiguous buffer `[gate (I*H) | up (I*H) | down (H*I)]`: it is the unit that
-moves between tiers.
+as one contiguous buffer (`ExpertSpec`: `[gate | up | down]`, plus biases where the family
+has them): it is the unit that moves between tiers.
 """
 
 from __future__ import annotations
@@ -20,11 +20,14 @@ from safetensors import safe_open
 from .config import ModelConfig
 from .errors import SpecMoEError
 
-# Per-layer tensors, as templates under "model.layers.{i}.". The first name present wins.
-# Mixtral writes its MoE block as `block_sparse_moe`; Qwen2/3-MoE and OLMoE as `mlp`.
+# Per-layer tensors, as templates under "{prefix}layers.{i}.". The first name present wins.
+# Mixtral and Phi-3.5-MoE write their MoE block as `block_sparse_moe`, Llama 4 as
+# `feed_forward`, the others (and transformers 5 for all) as `mlp`.
 LAYER_TENSORS: dict[str, tuple[str, ...]] = {
     "attn_norm": ("input_layernorm.weight",),
+    "attn_norm_bias": ("input_layernorm.bias",),
     "mlp_norm": ("post_attention_layernorm.weight",),
+    "mlp_norm_bias": ("post_attention_layernorm.bias",),
     "q": ("self_attn.q_proj.weight",),
     "k": ("self_attn.k_proj.weight",),
     "v": ("self_attn.v_proj.weight",),
@@ -35,14 +38,32 @@ LAYER_TENSORS: dict[str, tuple[str, ...]] = {
     "o_bias": ("self_attn.o_proj.bias",),
     "q_norm": ("self_attn.q_norm.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
-    "router": ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
-    "shared_gate_proj": ("mlp.shared_expert.gate_proj.weight",),
-    "shared_up_proj": ("mlp.shared_expert.up_proj.weight",),
-    "shared_down_proj": ("mlp.shared_expert.down_proj.weight",),
+    "sinks": ("self_attn.sinks",),
+    # multi-head latent attention (DeepSeek)
+    "q_a": ("self_attn.q_a_proj.weight",),
+    "q_a_bias": ("self_attn.q_a_proj.bias",),
+    "q_a_norm": ("self_attn.q_a_layernorm.weight",),
+    "q_b": ("self_attn.q_b_proj.weight",),
+    "kv_a": ("self_attn.kv_a_proj_with_mqa.weight",),
+    "kv_a_bias": ("self_attn.kv_a_proj_with_mqa.bias",),
+    "kv_a_norm": ("self_attn.kv_a_layernorm.weight",),
+    "kv_b": ("self_attn.kv_b_proj.weight",),
+    # the MoE block's router
+    "router": ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight"),
+    "router_bias": ("mlp.router.bias",),
+    "correction_bias": ("mlp.gate.e_score_correction_bias",),
+    # shared experts (on the device with the other non-expert weights)
+    "shared_gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight",
+                         "feed_forward.shared_expert.gate_proj.weight"),
+    "shared_up_proj": ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.up_proj.weight",
+                       "feed_forward.shared_expert.up_proj.weight"),
+    "shared_down_proj": ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight",
+                         "feed_forward.shared_expert.down_proj.weight"),
     "shared_expert_gate": ("mlp.shared_expert_gate.weight",),
-    "dense_gate_proj": ("mlp.gate_proj.weight",),
-    "dense_up_proj": ("mlp.up_proj.weight",),
-    "dense_down_proj": ("mlp.down_proj.weight",),
+    # dense MLP layers
+    "dense_gate_proj": ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
+    "dense_up_proj": ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
+    "dense_down_proj": ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
 }
 
 # One routed expert in the per-expert layout ({e}: expert index).
@@ -52,18 +73,58 @@ EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
     "down": ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
 }
 
-# All routed experts of a layer in the fused layout (transformers >= 5,
-# save_original_format=False): gate_up [E, 2I, H] with gate rows first, down [E, H, I].
+# All routed experts of a layer in one tensor per part (transformers >= 5 with
+# save_original_format=False; GPT-OSS and Llama 4 always): gate_up [E, 2I, D] with gate
+# rows first and down [E, D, I], or, for families stored for `x @ W`, [E, D, 2I] and [E, I, D].
 FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
-    "gate_up": ("block_sparse_moe.experts.gate_up_proj", "mlp.experts.gate_up_proj"),
-    "down": ("block_sparse_moe.experts.down_proj", "mlp.experts.down_proj"),
+    "gate_up": ("block_sparse_moe.experts.gate_up_proj", "mlp.experts.gate_up_proj",
+                "feed_forward.experts.gate_up_proj"),
+    "down": ("block_sparse_moe.experts.down_proj", "mlp.experts.down_proj", "feed_forward.experts.down_proj"),
+    "gate_up_bias": ("mlp.experts.gate_up_proj_bias",),
+    "down_bias": ("mlp.experts.down_proj_bias",),
+    # MXFP4 (the released GPT-OSS checkpoints): [E, out, in / 32, 16] packed codes and
+    # [E, out, in / 32] power-of-two scales, [out, in] as nn.Linear stores it
+    "gate_up_blocks": ("mlp.experts.gate_up_proj_blocks",),
+    "gate_up_scales": ("mlp.experts.gate_up_proj_scales",),
+    "down_blocks": ("mlp.experts.down_proj_blocks",),
+    "down_scales": ("mlp.experts.down_proj_scales",),
 }
 
+# The 16 values of a 4-bit float (e2m1): codes 0-7 positive, 8-15 their negatives.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Block-scaled FP8 -> float32 (DeepSeek-V3, Kimi-K2): each block x block tile of the
+    weight [out, in] times its entry of scale_inv [ceil(out / b0), ceil(in / b1)]."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 -> float32: blocks [..., G, 16] uint8 (two codes a byte, low nibble first),
+    scales [..., G] uint8 (the block's power of two, biased by 127) -> [..., G * 32]."""
+    lut = torch.tensor(FP4_VALUES)
+    codes = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
+    values = torch.ldexp(codes.reshape(*blocks.shape[:-1], 32), scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)
+
+# Outside the layers; names relative to the text model's prefix ("{prefix}" is e.g. "model.").
 GLOBAL_TENSORS: dict[str, tuple[str, ...]] = {
-    "embed": ("model.embed_tokens.weight",),
-    "final_norm": ("model.norm.weight",),
-    "lm_head": ("lm_head.weight",),
+    "embed": ("{prefix}embed_tokens.weight",),
+    "final_norm": ("{prefix}norm.weight",),
+    "final_norm_bias": ("{prefix}norm.bias",),
+    "lm_head": ("lm_head.weight", "language_model.lm_head.weight"),
+    "lm_head_bias": ("lm_head.bias", "language_model.lm_head.bias"),
 }
+
+# Where the text model's tensors live: causal LMs under "model."; multimodal checkpoints
+# (Llama 4) under the language model's own prefix, in the Hub's or transformers 5's naming.
+TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,6 +142,7 @@ class Checkpoint:
         self._handles: dict[str, object] = {}
         self._fused_cache: dict[tuple[int, str], torch.Tensor] = {}
         self._file_of = self._read_index()
+        self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self._file_of), "model.")
 
     # --- the index ------------------------------------------------------------------
 
@@ -133,12 +195,24 @@ class Checkpoint:
     def is_routed_expert(self, name: str) -> bool:
         return ".experts." in name
 
+    def text_names(self) -> list[str]:
+        """The tensors the engine loads: the text model's layers (not multi-token-prediction
+        layers past num_hidden_layers, not a vision tower) and its embedding, norm and head."""
+        layers = tuple(f"{self.prefix}layers.{i}." for i in range(self.config.num_layers))
+        globals_ = {t.format(prefix=self.prefix) for ts in GLOBAL_TENSORS.values() for t in ts}
+        return sorted(n for n in self._file_of
+                      if (n.startswith(layers) or n in globals_) and not n.endswith("_scale_inv"))
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self._file_of:
             raise SpecMoEError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         fname = self._file_of[name]
         try:
-            return self._open(fname).get_tensor(name)
+            t = self._open(fname).get_tensor(name)
+            scale = name + "_scale_inv"
+            if t.dtype in FP8_DTYPES and scale in self._file_of:  # read as float32, at the checkpoint's values
+                return dequantize_fp8(t, self.tensor(scale), self.config.weight_block_size)
+            return t
         except SpecMoEError:
             raise
         except Exception as exc:
@@ -156,9 +230,9 @@ class Checkpoint:
     def get(self, role: str, shape: tuple[int, ...], layer: int | None = None, required: bool = True):
         """The tensor playing `role` (in `layer`), checked against `shape`; None if optional and absent."""
         if layer is None:
-            candidates = GLOBAL_TENSORS[role]
+            candidates = tuple(t.format(prefix=self.prefix) for t in GLOBAL_TENSORS[role])
         else:
-            candidates = tuple(f"model.layers.{layer}.{t}" for t in LAYER_TENSORS[role])
+            candidates = tuple(f"{self.prefix}layers.{layer}.{t}" for t in LAYER_TENSORS[role])
         name = self.find(candidates)
         if name is None:
             if required:
@@ -174,41 +248,72 @@ class Checkpoint:
             )
         return t
 
+    def _layer_has(self, part: str) -> bool:
+        layer = self.config.moe_layer_ids[0] if self.config.moe_layer_ids else 0
+        pre = f"{self.prefix}layers.{layer}."
+        return self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part])) is not None
+
     @cached_property
     def fused_layout(self) -> bool:
-        layer = self.config.moe_layer_ids[0] if self.config.moe_layer_ids else 0
-        pre = f"model.layers.{layer}."
-        return self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS["gate_up"])) is not None
+        return self._layer_has("gate_up") or self.mxfp4
+
+    @cached_property
+    def mxfp4(self) -> bool:
+        return self._layer_has("gate_up_blocks")
 
     def expert_buffer(self, layer: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Routed expert `expert` of `layer` as one contiguous 1-D buffer [gate | up | down]."""
-        c = self.config
-        inter, hidden = c.expert_intermediate_size, c.hidden_size
-        pre = f"model.layers.{layer}."
+        """Routed expert `expert` of `layer` as one contiguous 1-D buffer in the layout of
+        `ExpertSpec`: [w_in (gate rows, then up rows) | w_out | b_in | b_out]."""
+        spec = self.config.expert
         if self.fused_layout:
-            gate_up = self._fused(layer, "gate_up", (c.num_experts, 2 * inter, hidden))[expert]
-            down = self._fused(layer, "down", (c.num_experts, hidden, inter))[expert]
-            parts = [gate_up, down]
+            parts = self._fused_expert(layer, expert)
         else:
+            pre = f"{self.prefix}layers.{layer}."
+            shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter)}
             parts = []
-            for part, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            for part in ("gate", "up", "down") if spec.gated else ("up", "down"):
                 candidates = tuple(pre + t for t in EXPERT_TENSORS[part])
                 name = self.find(candidates, e=expert)
                 if name is None:
                     raise SpecMoEError(
                         f"{self.dir}: tensor {candidates[0].format(e=expert)!r} is missing from the checkpoint"
                     )
-                parts.append(self._checked(name, shape))
+                parts.append(self._checked(name, shapes[part]))
         return torch.cat([p.reshape(-1).to(dtype) for p in parts])
 
+    def _fused_expert(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """One expert's slices of the layer's fused tensors, turned into the buffer's layout."""
+        c, fam = self.config, self.config.family
+        spec, E = c.expert, c.num_experts
+        R, D, I = spec.in_rows, spec.hidden, spec.inter
+        if self.mxfp4:  # dequantized on load: the tiers hold (and move) the compute dtype
+            w_in = dequantize_mxfp4(self._fused(layer, "gate_up_blocks", (E, R, D // 32, 16))[expert],
+                                    self._fused(layer, "gate_up_scales", (E, R, D // 32))[expert])
+            w_out = dequantize_mxfp4(self._fused(layer, "down_blocks", (E, D, I // 32, 16))[expert],
+                                     self._fused(layer, "down_scales", (E, D, I // 32))[expert])
+        elif fam.fused_transposed:
+            w_in = self._fused(layer, "gate_up", (E, D, R))[expert].t()
+            w_out = self._fused(layer, "down", (E, I, D))[expert].t()
+        else:
+            w_in = self._fused(layer, "gate_up", (E, R, D))[expert]
+            w_out = self._fused(layer, "down", (E, D, I))[expert]
+        parts = [w_in, w_out]
+        if spec.bias:
+            parts += [self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]]
+        if fam.gate_up_interleaved:  # rows gate, up, gate, up, ...: gate rows first instead
+            parts[0] = torch.cat([parts[0][0::2], parts[0][1::2]])
+            if spec.bias:
+                parts[2] = torch.cat([parts[2][0::2], parts[2][1::2]])
+        return parts
+
     def _fused(self, layer: int, part: str, shape: tuple[int, ...]) -> torch.Tensor:
-        # One fused tensor serves every expert of the layer: keep the last one read.
+        # One fused tensor serves every expert of the layer: keep the last ones read.
         key = (layer, part)
         cache = self._fused_cache
         if key not in cache:
-            if len(cache) >= 2:
+            if len(cache) >= 6:
                 cache.clear()
-            pre = f"model.layers.{layer}."
+            pre = f"{self.prefix}layers.{layer}."
             name = self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part]))
             if name is None:
                 raise SpecMoEError(

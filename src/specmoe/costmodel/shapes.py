@@ -3,6 +3,9 @@
 Legend: L layers, M MoE layers, D hidden, E experts, k experts per token, I expert
 intermediate size, V vocabulary. Attention is counted as q/k/v/o projections plus the
 score/value products over the context; norms are ignored (a few D-sized vectors).
+Multi-head latent attention (DeepSeek, Kimi) has its own projection count and caches
+one latent per token and layer (`kv_elements_per_layer`); windowed layers (GPT-OSS's
+sliding, Llama 4's chunked) cache at most their window.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class ModelShape:
     bytes_per_param: float = 2.0
     expert_matrices: int = 3  # 3: gated (SwiGLU: gate, up, down); 2: plain (fc1, fc2)
     tied_embeddings: bool = False
+    attention_params_per_layer: int = 0  # 0: GQA projections from the head counts; MLA: its own count
+    kv_elements_per_layer: int = 0  # cached per token and layer; 0: K and V of the kv heads
+    windowed_layers: int = 0  # layers whose attention sees at most `window` positions
+    window: int = 0
     note: str = ""  # approximations made for this shape
 
     def __post_init__(self) -> None:
@@ -70,7 +77,9 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
-        """Per layer: q and o (D x H*hd each), k and v (D x Hkv*hd each)."""
+        """Per layer: q and o (D x H*hd each), k and v (D x Hkv*hd each), unless given (MLA)."""
+        if self.attention_params_per_layer:
+            return self.attention_params_per_layer
         return 2 * self.hidden * self.num_heads * self.head_dim + 2 * self.hidden * self.num_kv_heads * self.head_dim
 
     @property
@@ -116,8 +125,15 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one position, all layers."""
-        return int(self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param)
+        """What one position costs in the KV cache, all layers (MLA: the latent)."""
+        per_layer = self.kv_elements_per_layer or 2 * self.num_kv_heads * self.head_dim
+        return int(self.num_layers * per_layer * self.bytes_per_param)
+
+    def kv_bytes_per_sequence(self, context: int) -> int:
+        """KV cache of one sequence of `context` positions, windowed layers holding their window only."""
+        per_layer = self.kv_bytes_per_token / self.num_layers
+        windowed = self.windowed_layers * min(context, self.window or context)
+        return int(per_layer * ((self.num_layers - self.windowed_layers) * context + windowed))
 
     # ---- FLOPs per token (2 per multiply-add) ------------------------------------------------
     def attention_flops_per_token(self, context: int) -> float:
@@ -158,6 +174,25 @@ def _every(step: int, n: int) -> tuple[int, ...]:
     return tuple(i for i in range(n) if (i + 1) % step == 0)
 
 
+def mla_params(hidden: int, heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int) -> int:
+    """Projections of one multi-head latent attention layer: q (through its latent when
+    q_lora > 0), the kv latent and rotary key, their up-projection, the output."""
+    q = hidden * q_lora + q_lora * heads * (nope + rope) if q_lora else hidden * heads * (nope + rope)
+    return q + hidden * (kv_lora + rope) + kv_lora * heads * (nope + v) + heads * v * hidden
+
+
+def _mla(hidden: int, heads: int, q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128):
+    """The ModelShape fields of a DeepSeek-style MLA layer."""
+    return dict(num_heads=heads, num_kv_heads=heads, head_dim=nope + rope, kv_elements_per_layer=kv_lora + rope,
+                attention_params_per_layer=mla_params(hidden, heads, q_lora, kv_lora, nope, rope, v))
+
+
+_MLA_NOTE = "MLA: the KV cache holds the 576-element latent per token and layer; attention FLOPs counted as MHA"
+_GPT_OSS = dict(hidden=2880, top_k=4, expert_intermediate=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+                vocab=201088, window=128,
+                note="bf16 experts (the released checkpoint stores them in MXFP4, about 4.25 bits per weight; "
+                     "expert biases ignored); every other layer a 128-position sliding window")
+
 PRESETS: dict[str, ModelShape] = {
     s.name: s
     for s in [
@@ -173,15 +208,31 @@ PRESETS: dict[str, ModelShape] = {
                         "(run once per sequence) and cross-attention over the encoder states are omitted"),
         ModelShape("llama-4-scout", num_layers=48, moe_layers=tuple(range(48)), hidden=5120, num_experts=16, top_k=1,
                    expert_intermediate=8192, shared_expert_intermediate=8192, num_heads=40, num_kv_heads=8,
-                   head_dim=128, vocab=202048,
-                   note="text decoder only (vision encoder omitted); chunked/no-RoPE attention counted as full attention"),
+                   head_dim=128, vocab=202048, windowed_layers=36, window=8192,
+                   note="text decoder only (vision encoder omitted); the 36 RoPE layers attend in 8192-position "
+                        "chunks, the 12 NoPE layers the whole context"),
         ModelShape("qwen3-30b-a3b", num_layers=48, moe_layers=tuple(range(48)), hidden=2048, num_experts=128, top_k=8,
                    expert_intermediate=768, num_heads=32, num_kv_heads=4, head_dim=128, vocab=151936),
+        ModelShape("qwen3-235b-a22b", num_layers=94, moe_layers=tuple(range(94)), hidden=4096, num_experts=128,
+                   top_k=8, expert_intermediate=1536, num_heads=64, num_kv_heads=4, head_dim=128, vocab=151936),
         ModelShape("deepseek-v2-lite", num_layers=27, moe_layers=tuple(range(1, 27)), hidden=2048, num_experts=64,
                    top_k=6, expert_intermediate=1408, shared_expert_intermediate=2 * 1408, dense_intermediate=10944,
-                   num_heads=16, num_kv_heads=16, head_dim=128, vocab=102400,
-                   note="MLA attention approximated as 16-head MHA with head_dim 128 (similar parameter count; "
-                        "the real compressed KV cache is smaller)"),
+                   vocab=102400, **_mla(2048, 16, q_lora=0), note=_MLA_NOTE),
+        ModelShape("deepseek-v3", num_layers=61, moe_layers=tuple(range(3, 61)), hidden=7168, num_experts=256,
+                   top_k=8, expert_intermediate=2048, shared_expert_intermediate=2048, dense_intermediate=18432,
+                   vocab=129280, **_mla(7168, 128, q_lora=1536),
+                   note=_MLA_NOTE + "; the same shape as DeepSeek-R1; the multi-token-prediction layer is not counted"),
+        ModelShape("kimi-k2", num_layers=61, moe_layers=tuple(range(1, 61)), hidden=7168, num_experts=384, top_k=8,
+                   expert_intermediate=2048, shared_expert_intermediate=2048, dense_intermediate=18432,
+                   vocab=163840, **_mla(7168, 64, q_lora=1536), note=_MLA_NOTE + "; DeepSeek-V3 architecture"),
+        ModelShape("glm-4.5-air", num_layers=46, moe_layers=tuple(range(1, 46)), hidden=4096, num_experts=128,
+                   top_k=8, expert_intermediate=1408, shared_expert_intermediate=1408, dense_intermediate=10944,
+                   num_heads=96, num_kv_heads=8, head_dim=128, vocab=151552,
+                   note="the multi-token-prediction layer is not counted"),
+        ModelShape("gpt-oss-120b", num_layers=36, moe_layers=tuple(range(36)), num_experts=128, windowed_layers=18,
+                   **_GPT_OSS),
+        ModelShape("gpt-oss-20b", num_layers=24, moe_layers=tuple(range(24)), num_experts=32, windowed_layers=12,
+                   **_GPT_OSS),
     ]
 }
 
@@ -197,6 +248,12 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"{name}: unsupported dtype {dtype!r}")
     dense_layers = config.num_layers > len(config.moe_layer_ids)
+    a = config.attention
+    mla = {}
+    if a.kind == "mla":
+        mla = dict(kv_elements_per_layer=a.kv_elements_per_token, attention_params_per_layer=mla_params(
+            config.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim))
+    windows = [w.size for w in config.windows if w is not None]
     return ModelShape(
         name=name, num_layers=config.num_layers, moe_layers=config.moe_layer_ids, hidden=config.hidden_size,
         num_experts=config.num_experts, top_k=config.top_k, expert_intermediate=config.expert_intermediate_size,
@@ -204,7 +261,8 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         dense_intermediate=config.dense_intermediate_size if dense_layers else 0,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         vocab=config.vocab_size, bytes_per_param=float(_DTYPE_BYTES[dtype]),
-        tied_embeddings=config.tie_word_embeddings,
+        tied_embeddings=config.tie_word_embeddings, expert_matrices=3 if config.expert.gated else 2,
+        windowed_layers=len(windows), window=max(windows, default=0), **mla,
     )
 
 

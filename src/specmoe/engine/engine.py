@@ -24,6 +24,7 @@ from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
+from .gamma import MAX_GAMMA
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token
 from .scheduler import Scheduler
@@ -81,14 +82,17 @@ class Engine:
             options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
         )
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype)
-        kv_bytes = self._kv_bytes_per_token() * options.max_batch_size * self.max_model_len
-        expert_bytes = self.config.expert_params * torch.tensor([], dtype=self.dtype).element_size()
+        # windowed layers keep a ring of their window plus the drafts a step may roll back
+        rollback = max(options.gamma, MAX_GAMMA)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
+        expert_bytes = self.config.expert_params * elem
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
-        self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len)
+        self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len, rollback=rollback)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
         self.budget.reserve(
@@ -118,9 +122,6 @@ class Engine:
     def gamma(self) -> int | None:
         """Draft tokens per speculative step now (None without speculation)."""
         return self.decoder.gamma if self.decoder else None
-
-    def _kv_bytes_per_token(self) -> int:
-        return self.config.kv_elements_per_token * torch.tensor([], dtype=self.dtype).element_size()
 
     def _budget_bytes(self, device_memory, non_expert: int, kv: int) -> int | None:
         """Absolute budgets pass through; '30%' is non-expert weights + KV cache + 30 % of experts."""

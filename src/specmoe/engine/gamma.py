@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MAX_GAMMA = 10  # the longest draft the tuner (and the planner's search) tries
+
 
 class GammaTuner:
     """Picks gamma by measuring: tokens per second of speculative steps at each gamma
@@ -11,7 +13,7 @@ class GammaTuner:
     so no formula for it is assumed.
     """
 
-    def __init__(self, gamma: int, max_gamma: int = 10, smoothing: float = 0.5):
+    def __init__(self, gamma: int, max_gamma: int = MAX_GAMMA, smoothing: float = 0.5):
         self.gamma, self.max_gamma, self.smoothing = gamma, max_gamma, smoothing
         self.rate: dict[int, float] = {}  # gamma -> tokens per second of a step
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.specs import ExpertSpec
 from ..model.moe import ExpertGroups, combine, run_expert
 from .pool import DevicePool, Key
 from .store import ExpertStore
@@ -32,9 +33,9 @@ class BlockCounters:
 
 
 class BlockExecutor:
-    def __init__(self, store: ExpertStore, pool: DevicePool, transfer: TransferEngine, hidden: int, inter: int):
+    def __init__(self, store: ExpertStore, pool: DevicePool, transfer: TransferEngine, spec: ExpertSpec):
         self.store, self.pool, self.transfer = store, pool, transfer
-        self.hidden, self.inter = hidden, inter
+        self.spec = spec
         self.reset()
 
     def reset(self) -> None:
@@ -62,14 +63,14 @@ class BlockExecutor:
         outputs: list[torch.Tensor | None] = [None] * len(keys)
         for j in present:
             self.transfer.wait(keys[j])  # a prefetch may still be on its way
-            outputs[j] = self.compute(keys[j], x[groups.tokens[j]])
+            outputs[j] = self.compute(keys[j], groups.inputs(x, j))
             self.issue(keys, queue)
         for j in host:
-            outputs[j] = self.run_on_host(keys[j], x[groups.tokens[j]])
+            outputs[j] = self.run_on_host(keys[j], groups.inputs(x, j))
         for j in missing:
             self.transfer.ensure(keys[j])  # issued above when a slot was free, else now
             table.pin(keys[j])
-            outputs[j] = self.compute(keys[j], x[groups.tokens[j]])
+            outputs[j] = self.compute(keys[j], groups.inputs(x, j))
             self.issue(keys, queue)
         return combine(x, groups, outputs)
 
@@ -85,7 +86,7 @@ class BlockExecutor:
 
     def compute(self, key: Key, xs: torch.Tensor) -> torch.Tensor:
         """Run a pinned resident expert, then unpin it: the block is done with it."""
-        y = run_expert(self.pool.get(key), xs, self.hidden, self.inter)
+        y = run_expert(self.pool.get(key), xs, self.spec)
         self.pool.table.unpin(key)
         return y
 
@@ -116,9 +117,9 @@ class BlockExecutor:
         weights = self.store.host_tensor(key)
         self.counters.host_tokens += xs.shape[0]
         if xs.device.type == "cpu":
-            return run_expert(weights, xs, self.hidden, self.inter)
+            return run_expert(weights, xs, self.spec)
         self.counters.activation_bytes += 2 * xs.numel() * xs.element_size()
-        return run_expert(weights, xs.cpu(), self.hidden, self.inter).to(xs.device)
+        return run_expert(weights, xs.cpu(), self.spec).to(xs.device)
 
     def evict_layer(self, layer: int) -> None:
         table = self.pool.table

@@ -10,10 +10,11 @@ Format (per matrix W [out, in], `in` the input dimension):
   q = clamp(round(W / s), -qmax - 1, qmax), W ~= q * s.
   int8: q as int8.  int4 / int3: q + 2^(bits-1) as unsigned codes, packed 8 codes into
   `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
-An expert is two matrices, as in the full-precision buffer: gate_up [2I, D] (gate rows
-first) and down [D, I].
+An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in [R, D]
+(gated: gate rows, then up rows) and w_out [D, I]; the biases of families that have them
+stay in float32 (a few hundred values).
 
-That format is what is cached and what `quant_error_report` measures. On the device the
+That format is what is cached and what `quant_report.quant_error_report` measures. On the device the
 draft holds each matrix either in it (dequantized to the compute dtype once per call,
 then F.linear) or, for int4 on the CPU, in the layout of torch's fused int4 matmul
 (`Int4KernelMatrix`): the same codes and scales, multiplied without a dequantized copy.
@@ -35,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError
-from ..model.layers import swiglu
-from ..model.moe import expert_views
+from ..base.specs import ExpertSpec
+from ..model.moe import expert_forward, expert_views
 
 QUANT_MODES = ("none", "int8", "int4", "int3")
 BITS = {"int8": 8, "int4": 4, "int3": 3}
@@ -238,19 +239,24 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
 class QuantizedExpert:
     """One expert's (or, with a leading dim, several experts') quantized matrices."""
 
-    gate_up: QuantizedMatrix | Int4KernelMatrix  # [(n,) 2I, D]
+    gate_up: QuantizedMatrix | Int4KernelMatrix  # [(n,) R, D]
     down: QuantizedMatrix | Int4KernelMatrix  # [(n,) D, I]
+    b_in: torch.Tensor | None = None  # [(n,) R] float32, families with expert biases
+    b_out: torch.Tensor | None = None  # [(n,) D]
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.nbytes + self.down.nbytes
+        biases = sum(b.numel() * b.element_size() for b in (self.b_in, self.b_out) if b is not None)
+        return self.gate_up.nbytes + self.down.nbytes + biases
 
     def select(self, index) -> QuantizedExpert:
-        return QuantizedExpert(self.gate_up.select(index), self.down.select(index))
+        b_in, b_out = (None if b is None else b[index] for b in (self.b_in, self.b_out))
+        return QuantizedExpert(self.gate_up.select(index), self.down.select(index), b_in, b_out)
 
     def to(self, device) -> QuantizedExpert:
         """For the draft on `device` (the fused int4 layout where it applies)."""
-        return QuantizedExpert(device_layout(self.gate_up, device), device_layout(self.down, device))
+        b_in, b_out = (None if b is None else b.to(device) for b in (self.b_in, self.b_out))
+        return QuantizedExpert(device_layout(self.gate_up, device), device_layout(self.down, device), b_in, b_out)
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Portable format only."""
@@ -260,28 +266,30 @@ class QuantizedExpert:
         return max(self.gate_up.scratch_bytes(dtype), self.down.scratch_bytes(dtype))
 
 
-def quantize_expert(buffer: torch.Tensor, hidden: int, inter: int, bits: int) -> QuantizedExpert:
-    """Quantize a full-precision expert buffer [gate | up | down]."""
-    gate_up, down = expert_views(buffer, hidden, inter)
-    return QuantizedExpert(quantize_matrix(gate_up, bits), quantize_matrix(down, bits))
+def quantize_expert(buffer: torch.Tensor, spec: ExpertSpec, bits: int) -> QuantizedExpert:
+    """Quantize a full-precision expert buffer (layout: `ExpertSpec`)."""
+    v = expert_views(buffer, spec)
+    biases = (None, None) if v.b_in is None else (v.b_in.float(), v.b_out.float())
+    return QuantizedExpert(quantize_matrix(v.w_in, bits), quantize_matrix(v.w_out, bits), *biases)
 
 
-def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert) -> torch.Tensor:
-    """SwiGLU expert on x [T, D]: down(silu(gate x) * up x), each matrix dequantized to x's
-    dtype once per call (or multiplied by the fused int4 kernel), result in x's dtype."""
-    gate, up = qexpert.gate_up.linear(x).chunk(2, dim=-1)
-    return qexpert.down.linear(F.silu(gate) * up)
+def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert, spec: ExpertSpec) -> torch.Tensor:
+    """The expert on x [T, D] with its activation, each matrix dequantized to x's dtype once
+    per call (or multiplied by the fused int4 kernel), result in x's dtype."""
+    b_in, b_out = (None if b is None else b.to(x.dtype) for b in (qexpert.b_in, qexpert.b_out))
+    return expert_forward(spec, x, qexpert.gate_up.linear, qexpert.down.linear, b_in, b_out)
 
 
-def draft_copy_bytes(hidden: int, inter: int, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
+def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
     """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
     without building it: in the layout `device_layout` gives it on `device` (None: the
-    portable layout, as stored), computing in `dtype`."""
+    portable layout, as stored), computing in `dtype`; float32 biases where the family has them."""
     if mode == "none":
         return 0, 0
     bits, elem = BITS[mode], torch.tensor([], dtype=dtype).element_size()
-    copy = scratch = 0
-    for out, in_features in ((2 * inter, hidden), (hidden, inter)):
+    copy = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
+    scratch = 0
+    for out, in_features in ((spec.in_rows, spec.hidden), (spec.hidden, spec.inter)):
         groups = in_features // group_size(in_features)
         if device is not None and int4_kernel_fits(device, bits, out, group_size(in_features)):
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
@@ -294,10 +302,10 @@ def draft_copy_bytes(hidden: int, inter: int, mode: str, device=None, dtype=torc
 class QuantizedExperts:
     """Quantized copies of experts, stacked per MoE block: layer -> QuantizedExpert [E, ...]."""
 
-    def __init__(self, mode: str, layers: dict[int, QuantizedExpert], hidden: int, inter: int):
+    def __init__(self, mode: str, layers: dict[int, QuantizedExpert], spec: ExpertSpec):
         self.mode = mode
         self.layers = layers
-        self.hidden, self.inter = hidden, inter
+        self.spec = spec
 
     @property
     def nbytes(self) -> int:
@@ -311,43 +319,46 @@ class QuantizedExperts:
         return self.layers[layer].select(e)
 
     def to(self, device) -> QuantizedExperts:
-        return QuantizedExperts(self.mode, {l: q.to(device) for l, q in self.layers.items()}, self.hidden, self.inter)
+        return QuantizedExperts(self.mode, {l: q.to(device) for l, q in self.layers.items()}, self.spec)
 
     def forward(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        return quantized_expert_forward(x, self.expert(layer, e))
+        return quantized_expert_forward(x, self.expert(layer, e), self.spec)
 
-    # safetensors: "{layer}.{gate_up|down}.{data|scales}"
+    # safetensors: "{layer}.{gate_up|down}.{data|scales}", "{layer}.{b_in|b_out}"
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for layer, q in self.layers.items():
             for part, m in (("gate_up", q.gate_up), ("down", q.down)):
                 out[f"{layer}.{part}.data"] = m.data.contiguous()
                 out[f"{layer}.{part}.scales"] = m.scales.contiguous()
+            for part, b in (("b_in", q.b_in), ("b_out", q.b_out)):
+                if b is not None:
+                    out[f"{layer}.{part}"] = b.contiguous()
         return out
 
     @classmethod
-    def from_state_dict(cls, mode: str, tensors: dict[str, torch.Tensor], hidden: int, inter: int) -> QuantizedExperts:
+    def from_state_dict(cls, mode: str, tensors: dict[str, torch.Tensor], spec: ExpertSpec) -> QuantizedExperts:
         bits = BITS[mode]
         layers = {}
         for layer in sorted({int(k.split(".")[0]) for k in tensors}):
-            gu = QuantizedMatrix(tensors[f"{layer}.gate_up.data"], tensors[f"{layer}.gate_up.scales"], bits, hidden)
-            dn = QuantizedMatrix(tensors[f"{layer}.down.data"], tensors[f"{layer}.down.scales"], bits, inter)
-            layers[layer] = QuantizedExpert(gu, dn)
-        return cls(mode, layers, hidden, inter)
+            gu = QuantizedMatrix(tensors[f"{layer}.gate_up.data"], tensors[f"{layer}.gate_up.scales"], bits, spec.hidden)
+            dn = QuantizedMatrix(tensors[f"{layer}.down.data"], tensors[f"{layer}.down.scales"], bits, spec.inter)
+            layers[layer] = QuantizedExpert(gu, dn, tensors.get(f"{layer}.b_in"), tensors.get(f"{layer}.b_out"))
+        return cls(mode, layers, spec)
 
 
 def compute_quantized(ckpt: Checkpoint, mode: str, layers=None) -> QuantizedExperts:
     """Quantize every expert of the given MoE blocks (default all), one block in memory at a time."""
     c = ckpt.config
-    bits = BITS[mode]
-    hidden, inter = c.hidden_size, c.expert_intermediate_size
+    bits, spec = BITS[mode], c.expert
     out = {}
     for layer in layers if layers is not None else c.moe_layer_ids:
-        weights = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
-        gate_up = weights[:, : 2 * inter * hidden].view(c.num_experts, 2 * inter, hidden)
-        down = weights[:, 2 * inter * hidden :].view(c.num_experts, hidden, inter)
-        out[layer] = QuantizedExpert(quantize_matrix(gate_up, bits), quantize_matrix(down, bits))
-    return QuantizedExperts(mode, out, hidden, inter)
+        views = [expert_views(ckpt.expert_buffer(layer, e, torch.float32), spec) for e in range(c.num_experts)]
+        w_in, w_out = torch.stack([v.w_in for v in views]), torch.stack([v.w_out for v in views])
+        biases = (None, None) if not spec.bias else (torch.stack([v.b_in for v in views]),
+                                                     torch.stack([v.b_out for v in views]))
+        out[layer] = QuantizedExpert(quantize_matrix(w_in, bits), quantize_matrix(w_out, bits), *biases)
+    return QuantizedExperts(mode, out, spec)
 
 
 def cache_path(ckpt: Checkpoint, mode: str, cache_dir: Path) -> Path:
@@ -365,7 +376,7 @@ def load_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path | None) -> Quant
     path = cache_path(ckpt, mode, cache_dir)
     if path.is_file():
         try:
-            q = QuantizedExperts.from_state_dict(mode, load_file(str(path)), c.hidden_size, c.expert_intermediate_size)
+            q = QuantizedExperts.from_state_dict(mode, load_file(str(path)), c.expert)
             if set(q.layers) == set(c.moe_layer_ids):
                 return q
         except Exception:  # a damaged or foreign cache file: recompute it
@@ -386,64 +397,5 @@ def quantize_all(ckpt: Checkpoint, keys, mode: str, dtype: torch.dtype, cache_di
     del dtype  # the format is dtype-independent; quantized_expert_forward follows x's dtype
     q = load_quantized(ckpt, mode, cache_dir)
     wanted = {layer for layer, _ in keys}
-    q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.hidden, q.inter)
+    q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.spec)
     return q.to(device)
-
-
-# --- quality report ---------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def quant_error_report(ckpt: Checkpoint, mode: str, inputs: dict[int, torch.Tensor] | None = None,
-                       num_tokens: int = 256, seed: int = 0, cache_dir: Path | None = None) -> list[dict]:
-    """Per MoE block: relative L2 error ||y_q - y|| / ||y|| of the experts' outputs.
-
-    `inputs`: layer -> x [T, D], the block's inputs (e.g. held-out tokens' post-norm
-    hidden states); by default `num_tokens` standard-normal rows (RMS-normed hidden states
-    have unit scale before the norm weight). Every expert runs on every row, in float32.
-    """
-    check_mode(mode)
-    c = ckpt.config
-    hidden, inter = c.hidden_size, c.expert_intermediate_size
-    q = load_quantized(ckpt, mode, cache_dir) if mode != "none" else None
-    gen = torch.Generator().manual_seed(seed)
-    full_bytes = c.expert_params * 2  # bf16, the usual checkpoint precision, for the ratio
-    rows = []
-    for layer in c.moe_layer_ids:
-        if inputs is not None and layer in inputs:
-            x = inputs[layer].float().reshape(-1, hidden)
-            source = "given"
-        else:
-            x = torch.randn(num_tokens, hidden, generator=gen)
-            source = "random"
-        errors, weight_errors = [], []
-        for e in range(c.num_experts):
-            buf = ckpt.expert_buffer(layer, e, torch.float32)
-            gu, dn = expert_views(buf, hidden, inter)
-            y = swiglu(x, gu, dn)
-            if q is None:
-                errors.append(0.0)
-                weight_errors.append(0.0)
-                continue
-            qe = q.expert(layer, e)
-            yq = quantized_expert_forward(x, qe)
-            errors.append(float((yq - y).norm() / y.norm().clamp_min(1e-30)))
-            dq = torch.cat([m.reshape(-1) for m in qe.dequantize(torch.float32)])
-            weight_errors.append(float((dq - buf).norm() / buf.norm().clamp_min(1e-30)))
-        qbytes = draft_copy_bytes(hidden, inter, mode)[0]
-        rows.append({
-            "layer": layer,
-            "mode": mode,
-            "bits": BITS.get(mode, 16),
-            "group_size_gate_up": group_size(hidden),
-            "group_size_down": group_size(inter),
-            "inputs": source,
-            "tokens": int(x.shape[0]),
-            "mean_rel_l2": sum(errors) / len(errors),
-            "max_rel_l2": max(errors),
-            "worst_expert": max(range(len(errors)), key=errors.__getitem__),
-            "weight_rel_l2": sum(weight_errors) / len(weight_errors),
-            "bytes_per_expert": qbytes if mode != "none" else full_bytes,
-            "fraction_of_bf16": (qbytes / full_bytes) if mode != "none" else 1.0,
-        })
-    return rows

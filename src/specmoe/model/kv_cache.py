@@ -4,16 +4,24 @@ Each running sequence owns a slot. A step appends n_i >= 1 tokens to each of its
 sequences at positions length_i .. length_i + n_i - 1 (prefill: the prompt; decode: 1;
 verification: 1 + gamma). Rolling back rejected drafts is `truncate`: the entries beyond
 the new length are simply overwritten later. Lengths are plain Python bookkeeping.
+
+What a layer stores per token is its own (`LayerCacheSpec`): K and V of its kv heads, or
+for multi-head latent attention one compressed latent that serves as both. A layer with
+an attention window keeps only a ring of `window + rollback` positions per sequence:
+its step reads the window's older keys from the ring, appends the new ones, then writes
+them over positions no query can see any more. The `rollback` spare positions are what
+keeps rejected drafts (written, then truncated) from overwriting keys still in a window.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..base.errors import SpecMoEError
+from ..base.specs import AttentionWindow, cache_positions
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class StepBatch:
     slot_index: torch.Tensor  # [B] slots as a tensor
     kv_len: int
     max_new: int
+    ends: torch.Tensor  # [T] end (start + count) of each token's sequence
+    _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -48,23 +58,22 @@ class StepBatch:
         return rows
 
     @classmethod
-    def build(cls, slots, starts, counts, device, sliding_window: int | None = None) -> StepBatch:
+    def build(cls, slots, starts, counts, device) -> StepBatch:
         slots, starts, counts = tuple(slots), tuple(starts), tuple(counts)
         if not counts or min(counts) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
         max_new = max(counts)
         kv_len = max(s + n for s, n in zip(starts, counts))
-        positions, token_slots, padded = [], [], []
+        positions, token_slots, padded, ends = [], [], [], []
         for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
             positions.extend(range(start, start + n))
             token_slots.extend([slot] * n)
             padded.extend(range(b * max_new, b * max_new + n))
+            ends.extend([start + n] * n)
         starts_t = torch.tensor(starts, device=device)
         query_pos = starts_t[:, None] + torch.arange(max_new, device=device)[None, :]  # [B, max_new]
         key_pos = torch.arange(kv_len, device=device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also hides stale entries
-        if sliding_window is not None:
-            mask &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
         as_long = dict(dtype=torch.long, device=device)
         return cls(
             slots, starts, counts,
@@ -75,24 +84,58 @@ class StepBatch:
             slot_index=torch.tensor(slots, **as_long),
             kv_len=kv_len,
             max_new=max_new,
+            ends=torch.tensor(ends, **as_long),
         )
+
+    def window_mask(self, window: AttentionWindow) -> torch.Tensor:
+        """[B, 1, max_new, W - 1 + max_new] for a windowed layer's keys: the W - 1 positions
+        before each sequence's first new token, then its new tokens."""
+        if window not in self._window_masks:
+            device, w = self.positions.device, window.size
+            starts = torch.tensor(self.starts, device=device)[:, None, None]
+            counts = torch.tensor(self.counts, device=device)[:, None, None]
+            i = torch.arange(self.max_new, device=device)[None, :, None]
+            j = torch.arange(w - 1 + self.max_new, device=device)[None, None, :]
+            q, k = starts + i, starts - (w - 1) + j
+            exists = (k >= 0) & ((j < w - 1) | (j - (w - 1) < counts))
+            seen = (k > q - w) if window.kind == "sliding" else (torch.div(k, w, rounding_mode="floor") == q // w)
+            padding = i >= counts  # query rows past a sequence's tokens: any key, never an empty softmax
+            self._window_masks[window] = (exists & ((k <= q) & seen | padding))[:, None]
+        return self._window_masks[window]
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """What one layer caches per token: `heads` x `k_dim` keys and `heads` x `v_dim`
+    values (v_dim 0: the keys serve as values too, as MLA's latent does)."""
+
+    heads: int
+    k_dim: int
+    v_dim: int
+    window: AttentionWindow | None = None
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.heads * (self.k_dim + self.v_dim)
 
 
 class KVCache:
-    """K and V of every layer: [slots, kv_heads, max_len, head_dim], allocated once at its
-    full size. The engine charges the device budget for exactly that (every slot at
-    max_len positions), so the cache never holds more than the budget says, not even
-    while growing."""
+    """Keys (and values) of every layer: [slots, heads, positions, dim], allocated once at
+    full size: `max_len` positions for a full layer, its ring for a windowed one. The
+    engine charges the device budget for exactly that, so the cache never holds more than
+    the budget says."""
 
-    def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device):
-        self.num_layers, self.num_slots = num_layers, num_slots
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.max_len, self.dtype, self.device = max_len, dtype, device
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        # zeros, not empty: padded rows of a batch read positions no token wrote, and
-        # garbage there could be NaN, which a zero attention weight does not cancel
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, layers: list[LayerCacheSpec], num_slots: int, max_len: int, dtype, device,
+                 rollback: int = 16):
+        self.layers, self.num_slots = list(layers), num_slots
+        self.max_len, self.dtype, self.device, self.rollback = max_len, dtype, device, rollback
+        self.ring = [None if s.window is None else cache_positions(s.window, max_len, rollback) for s in self.layers]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor | None] = []
+        for spec, ring in zip(self.layers, self.ring):
+            k, v = self._alloc(spec, max_len if ring is None else ring)
+            self.k.append(k)
+            self.v.append(v)
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
 
@@ -116,6 +159,9 @@ class KVCache:
     def truncate(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.lengths[slot]:
             raise ValueError(f"cannot truncate slot {slot} of length {self.lengths[slot]} to {length}")
+        if any(r is not None for r in self.ring) and self.lengths[slot] - length > self.rollback:
+            raise RuntimeError(f"rolling back {self.lengths[slot] - length} positions, but windowed layers keep "
+                               f"only {self.rollback} spare positions: build the cache with a larger rollback")
         self.lengths[slot] = length
 
     def commit(self, batch: StepBatch) -> None:
@@ -125,12 +171,21 @@ class KVCache:
 
     # --- tensors ----------------------------------------------------------------------
 
+    def _elem(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes one cached position costs in every layer."""
+        return sum(s.elements_per_token for s in self.layers) * self._elem()
+
+    def bytes_per_sequence(self, length: int) -> int:
+        """Bytes one sequence of `length` positions needs (windowed layers: their ring)."""
+        return sum(s.elements_per_token * (length if r is None else min(r, length))
+                   for s, r in zip(self.layers, self.ring)) * self._elem()
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_token() * self.num_slots * self.max_len
+        return sum(t.numel() for t in self.k + self.v if t is not None) * self._elem()
 
     def reserve(self, length: int) -> None:
         if length > self.max_len:
@@ -139,16 +194,50 @@ class KVCache:
                 "shorten the prompt, lower --max-tokens or raise --max-model-len"
             )
 
-    def write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor):
-        """Store the new tokens' k, v [T, kv_heads, d]; return the batch's keys and values
-        [B, kv_heads, kv_len, d], new tokens included."""
-        self.k[layer][batch.token_slots, :, batch.positions] = k
-        self.v[layer][batch.token_slots, :, batch.positions] = v
+    def _alloc(self, spec: LayerCacheSpec, positions: int):
+        def make(dim):
+            # zeros, not empty: padded rows of a batch read positions no token wrote, and
+            # garbage there could be NaN, which a zero attention weight does not cancel
+            return torch.zeros(self.num_slots, spec.heads, positions, dim, dtype=self.dtype, device=self.device)
+
+        return make(spec.k_dim), (make(spec.v_dim) if spec.v_dim else None)
+
+    def write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor | None):
+        """Store the new tokens' k [T, heads, k_dim] (and v); return the keys and values
+        [B, heads, L, dim] the batch attends (values None where keys serve as values) and
+        the mask [B, 1, max_new, L] over them."""
+        if self.ring[layer] is not None:
+            return self._ring_write_and_read(layer, batch, k, v)
+        keys, values = self.k[layer], self.v[layer]
+        keys[batch.token_slots, :, batch.positions] = k
+        if values is not None:
+            values[batch.token_slots, :, batch.positions] = v
         slots = batch.slots
         if slots == tuple(range(slots[0], slots[0] + len(slots))):  # contiguous: a view, no copy
-            sl = slice(slots[0], slots[0] + len(slots))
-            return self.k[layer][sl, :, : batch.kv_len], self.v[layer][sl, :, : batch.kv_len]
-        return (
-            self.k[layer][batch.slot_index, :, : batch.kv_len],
-            self.v[layer][batch.slot_index, :, : batch.kv_len],
-        )
+            index = slice(slots[0], slots[0] + len(slots))
+        else:
+            index = batch.slot_index
+        read = [None if t is None else t[index, :, : batch.kv_len] for t in (keys, values)]
+        return read[0], read[1], batch.mask
+
+    def _ring_write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor | None):
+        window, size = self.layers[layer].window, self.ring[layer]
+        w = window.size
+        starts = torch.tensor(batch.starts, device=k.device)
+        old = (starts[:, None] - (w - 1) + torch.arange(w - 1, device=k.device)).clamp(min=0) % size  # [B, W-1]
+        out = []
+        for store, new in ((self.k[layer], k), (self.v[layer], v)):
+            if store is None:
+                out.append(None)
+                continue
+            before = store[batch.slot_index[:, None], :, old].permute(0, 2, 1, 3)  # [B, heads, W-1, dim]
+            padded = new.new_zeros(len(batch.slots) * batch.max_new, *new.shape[1:])
+            padded[batch.padded_index] = new
+            padded = padded.view(len(batch.slots), batch.max_new, *new.shape[1:]).permute(0, 2, 1, 3)
+            out.append(torch.cat([before, padded], dim=2))
+        # then the new tokens into the ring (of a long prompt, only the last `size` land)
+        keep = batch.positions >= batch.ends - size
+        for store, new in ((self.k[layer], k), (self.v[layer], v)):
+            if store is not None:
+                store[batch.token_slots[keep], :, batch.positions[keep] % size] = new[keep]
+        return out[0], out[1], batch.window_mask(window)

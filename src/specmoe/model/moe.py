@@ -1,9 +1,10 @@
-"""The router and expert dispatch.
+"""The router's choice and expert dispatch.
 
-Shapes: T tokens, D hidden, E experts, K experts per token, I expert intermediate size.
+Shapes: T tokens, D hidden, E experts, K experts per token, I expert intermediate size,
+R rows of an expert's first projection (2I gated, I plain).
 
-The router is its own step: `route` returns which experts each token picked and with
-what weight. Whoever runs the MoE block (an `ExpertBackend`: a policy) receives that
+The router is its own step (routers.py, one pure function per family): it returns which
+experts each token picked and with what weight. Whoever runs the MoE block (an `ExpertBackend`: a policy) receives that
 choice, may change it (a draft substitutes experts it does not hold), makes sure the
 experts it computes with are where the compute is, and runs `dispatch`, which groups
 tokens by expert so that each expert runs once per pass over all its tokens.
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 
-from .layers import swiglu
+from ..base.specs import ExpertSpec
+from .layers import expert_activation
 
 
 @dataclass(frozen=True)
@@ -25,18 +28,10 @@ class Routing:
 
     ids: torch.Tensor  # [T, K] long: chosen experts
     weights: torch.Tensor  # [T, K] float32: their mixing weights
+    scales_input: bool = False  # weights multiply each expert's input, not its output (Llama 4)
 
     def with_ids(self, ids: torch.Tensor) -> Routing:
-        return Routing(ids, self.weights)
-
-
-def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
-    """softmax over all E experts, then top-k; optionally renormalise the k weights."""
-    probs = torch.softmax(torch.nn.functional.linear(x, router_weight).float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(ids, weights)
+        return Routing(ids, self.weights, self.scales_input)
 
 
 @dataclass(frozen=True)
@@ -47,9 +42,16 @@ class ExpertGroups:
     counts: list[int]
     tokens: list[torch.Tensor]  # each [n_j] long: token rows
     weights: list[torch.Tensor]  # each [n_j] float32
+    scales_input: bool = False
 
     def count_of(self) -> dict[int, int]:
         return dict(zip(self.experts, self.counts))
+
+    def inputs(self, x: torch.Tensor, j: int) -> torch.Tensor:
+        """What expert `experts[j]` computes on: its tokens' rows of x (scaled by their
+        weights where the family weights inputs)."""
+        xs = x[self.tokens[j]]
+        return (xs * self.weights[j][:, None]).to(x.dtype) if self.scales_input else xs
 
 
 def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
@@ -68,12 +70,12 @@ def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
             tokens.append(token_rows[start : start + n])
             weights.append(sorted_weights[start : start + n])
             start += n
-    return ExpertGroups(experts, counts, tokens, weights)
+    return ExpertGroups(experts, counts, tokens, weights, routing.scales_input)
 
 
 def dispatch(x: torch.Tensor, groups: ExpertGroups, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum over each token's experts of weight * expert(x); `compute(e, x_e)` runs expert e."""
-    return combine(x, groups, [compute(e, x[t]) for e, t in zip(groups.experts, groups.tokens)])
+    return combine(x, groups, [compute(e, groups.inputs(x, j)) for j, e in enumerate(groups.experts)])
 
 
 def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) -> torch.Tensor:
@@ -81,19 +83,43 @@ def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) 
     order the experts were computed in, as the reference adds them."""
     out = torch.zeros_like(x)
     for tokens, weights, y in zip(groups.tokens, groups.weights, outputs):
-        out.index_add_(0, tokens, (y * weights[:, None]).to(out.dtype))
+        out.index_add_(0, tokens, (y if groups.scales_input else y * weights[:, None]).to(out.dtype))
     return out
 
 
-def expert_views(buffer: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of one expert's contiguous buffer: gate_up [2I, D] and down [D, I]."""
-    split = 2 * inter * hidden
-    return buffer[:split].view(2 * inter, hidden), buffer[split:].view(hidden, inter)
+@dataclass(frozen=True)
+class ExpertViews:
+    """One expert's tensors, viewed in its contiguous buffer (layout: `ExpertSpec`)."""
+
+    w_in: torch.Tensor  # [R, D]: gate rows, then up rows
+    w_out: torch.Tensor  # [D, I]
+    b_in: torch.Tensor | None = None  # [R]
+    b_out: torch.Tensor | None = None  # [D]
 
 
-def run_expert(buffer: torch.Tensor, x: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
-    gate_up, down = expert_views(buffer, hidden, inter)
-    return swiglu(x, gate_up, down)
+def expert_views(buffer: torch.Tensor, spec: ExpertSpec) -> ExpertViews:
+    R, D, I = spec.in_rows, spec.hidden, spec.inter
+    a, b = R * D, R * D + D * I
+    w_in, w_out = buffer[:a].view(R, D), buffer[a:b].view(D, I)
+    if not spec.bias:
+        return ExpertViews(w_in, w_out)
+    return ExpertViews(w_in, w_out, buffer[b : b + R], buffer[b + R : b + R + D])
+
+
+def expert_forward(spec: ExpertSpec, x: torch.Tensor, linear_in, linear_out, b_in=None, b_out=None) -> torch.Tensor:
+    """out(act(in(x) + b_in)) + b_out, the projections given as functions (plain matrices
+    or quantized copies)."""
+    h = linear_in(x)
+    if b_in is not None:
+        h = h + b_in
+    y = linear_out(expert_activation(spec, h))
+    return y if b_out is None else y + b_out
+
+
+def run_expert(buffer: torch.Tensor, x: torch.Tensor, spec: ExpertSpec) -> torch.Tensor:
+    """One routed expert on x [T, D] from its contiguous buffer."""
+    v = expert_views(buffer, spec)
+    return expert_forward(spec, x, lambda t: F.linear(t, v.w_in), lambda t: F.linear(t, v.w_out), v.b_in, v.b_out)
 
 
 class ExpertBackend(Protocol):

@@ -39,7 +39,7 @@ class OffloadPolicy(Policy):
         slots = slots_for_budget(runtime.budget, runtime.expert_bytes, len(runtime.expert_keys), self.pool_slots_wanted())
         self.pool = DevicePool(slots, c.expert_params, runtime.dtype, runtime.device, runtime.budget, self.name, self.min_slots(c, opts))
         self.transfer = TransferEngine(self.store, self.pool, runtime.device)
-        self.blocks = BlockExecutor(self.store, self.pool, self.transfer, c.hidden_size, c.expert_intermediate_size)
+        self.blocks = BlockExecutor(self.store, self.pool, self.transfer, c.expert)
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..model.layers import rms_norm
-from ..model.moe import Routing, route
+from ..model.layers import norm
+from ..model.moe import Routing
+from ..model.transformer import route_block
 from .offload import OffloadPolicy
 
 
@@ -34,7 +35,8 @@ class OverlapPolicy(OffloadPolicy):
         if nxt is None:
             return
         lw = self.runtime.weights.layers[nxt]
-        guess = route(rms_norm(hidden, lw.mlp_norm, self.config.rms_norm_eps), lw.router, self.config.top_k, False)
+        c = self.config
+        guess = route_block(c, lw, norm(c.family.norm, hidden, lw.mlp_norm, lw.mlp_norm_bias, c.rms_norm_eps))
         experts = torch.unique(guess.ids).tolist()
         self._prediction[nxt] = set(experts)
         self.predicted += len(experts)

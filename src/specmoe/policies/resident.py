@@ -30,4 +30,4 @@ class ResidentPolicy(Policy):
         c = self.config
         buffers = self.experts[layer]
         groups = group_by_expert(routing, c.num_experts)
-        return dispatch(x, groups, lambda e, xs: run_expert(buffers[e], xs, c.hidden_size, c.expert_intermediate_size))
+        return dispatch(x, groups, lambda e, xs: run_expert(buffers[e], xs, c.expert))

@@ -13,7 +13,8 @@ from ..base.config import EngineConfig, expert_share
 from ..base.paths import default_model_dir, offload_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
-from ..experts.quant import quant_error_report
+from ..engine.gamma import MAX_GAMMA
+from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
 from ..policies import POLICIES
@@ -51,7 +52,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
-    non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.names if not ckpt.is_routed_expert(n))
+    # what the engine loads: not a vision tower, not multi-token-prediction layers
+    non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.text_names() if not ckpt.is_routed_expert(n))
     expert_bytes = c.expert_params * elem
     num_experts_total = len(c.moe_layer_ids) * c.num_experts
     max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
@@ -68,7 +70,9 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "vocab_size": c.vocab_size,
         "experts_per_block": c.num_experts,
         "top_k": c.top_k,
+        "router": c.router.kind,
         "shared_expert": c.shared_expert_intermediate_size > 0,
+        "attention": _attention_summary(c),
         "expert_bytes": expert_bytes,
         "expert_bytes_total": expert_bytes * num_experts_total,
         "non_expert_bytes": non_expert_params * elem,
@@ -83,7 +87,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             for row in quant_error_report(ckpt, draft_quant)
         }
     if device_memory is not None:
-        kv = kv_per_token * batch_size * max_len
+        kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
         share = expert_share(device_memory)
         if share is None:
             budget = parse_size(device_memory, "--device-memory")
@@ -99,6 +103,22 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["experts_fit_per_block"] = per_block
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
     return info
+
+
+def _attention_summary(c) -> str:
+    """What attention computes and what its KV cache holds per token and layer."""
+    a = c.attention
+    if a.kind == "mla":
+        text = (f"multi-head latent attention, {a.num_heads} heads; the cache holds a {a.kv_lora_rank}-element "
+                f"latent + {a.qk_rope_dim}-element rotary key per token and layer")
+    else:
+        text = f"{a.num_heads} query / {a.num_kv_heads} kv heads of {a.head_dim}"
+    windows = [w for w in c.windows if w is not None]
+    if windows:
+        text += f"; {len(windows)} of {c.num_layers} layers {windows[0].kind} over {windows[0].size} positions"
+    if not all(c.rope_layers):
+        text += f"; {c.rope_layers.count(False)} layers without RoPE"
+    return text
 
 
 def _policies_that_fit(config, slots: int, total: int) -> dict[str, str]:

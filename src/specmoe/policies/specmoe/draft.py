@@ -24,7 +24,7 @@ class Drafter:
     def __init__(self, policy):
         self.policy = policy
         c = policy.config
-        self.hidden, self.inter, self.num_experts = c.hidden_size, c.expert_intermediate_size, c.num_experts
+        self.spec, self.num_experts = c.expert, c.num_experts
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         p = self.policy
@@ -37,13 +37,13 @@ class Drafter:
             routing = routing.with_ids(p.substitute[layer][routing.ids])
         groups = group_by_expert(routing, self.num_experts)
         resident = set(p.draft[layer])
-        outputs = [self._expert(layer, e, x[t], e in resident) for e, t in zip(groups.experts, groups.tokens)]
+        outputs = [self._expert(layer, e, groups.inputs(x, j), e in resident) for j, e in enumerate(groups.experts)]
         return combine(x, groups, outputs)
 
     def _expert(self, layer: int, e: int, xs: torch.Tensor, resident: bool) -> torch.Tensor:
         p = self.policy
         if resident:
-            return run_expert(p.pool.slot_tensor((layer, e)), xs, self.hidden, self.inter)
+            return run_expert(p.pool.slot_tensor((layer, e)), xs, self.spec)
         return p.quantized.forward(layer, e, xs)
 
     def after_layer(self, layer: int, hidden: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class SpecMoEPolicy(OffloadPolicy):
         experts = len(config.moe_layer_ids) * config.num_experts
         need = []
         for mode in modes:
-            copy, scratch = draft_copy_bytes(config.hidden_size, config.expert_intermediate_size, mode, device, dtype)
+            copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
             need.append(slots * expert_bytes + experts * copy + scratch)
         return min(need)

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ...base.specs import ExpertSpec
 from ...costmodel.shapes import ModelShape
 from ...experts.budget import DeviceBudget
 from ...experts.executor import BlockExecutor
@@ -127,6 +128,7 @@ class PolicyReplay:
                  device: torch.device, dtype: torch.dtype, cache_fraction: float):
         self.s, self.store, self.lmap, self.shape, self.device, self.dtype = schedule, store, lmap, shape, device, dtype
         self.policy = schedule.policy
+        self.expert_spec = ExpertSpec(shape.hidden, shape.expert_intermediate)  # the replay's SwiGLU experts
         self.persistent = self.policy in ("caching", "specmoe")  # the pool is kept across blocks and steps
         self.slots = pool_slots(schedule, lmap, shape.num_experts, cache_fraction)
         self.hot: dict[int, list[int]] = {}
@@ -166,8 +168,7 @@ class PolicyReplay:
     def _open(self) -> None:
         pool = DevicePool(self.slots, self.store.numel, self.dtype, self.device, DeviceBudget(None), self.policy, 1)
         self.transfer = TransferEngine(self.store, pool, self.device)
-        self.blocks = BlockExecutor(self.store, pool, self.transfer, self.shape.hidden,
-                                    self.shape.expert_intermediate)
+        self.blocks = BlockExecutor(self.store, pool, self.transfer, self.expert_spec)
 
     def _close(self) -> None:
         self.transfer.close()  # the store is shared by every policy's run: it stays open
@@ -260,8 +261,8 @@ class PolicyReplay:
         """As the engine's Drafter: draft experts straight from their (pinned) pool slots."""
         pool, shape = self.blocks.pool, self.shape
         groups = group_by_expert(routing, shape.num_experts)
-        outputs = [run_expert(pool.slot_tensor((rank, e)), x[t], shape.hidden, shape.expert_intermediate)
-                   for e, t in zip(groups.experts, groups.tokens)]
+        outputs = [run_expert(pool.slot_tensor((rank, e)), groups.inputs(x, j), self.expert_spec)
+                   for j, e in enumerate(groups.experts)]
         combine(x, groups, outputs)
 
     def _verify_prefetch(self, st: StepPlan) -> None:

@@ -1,0 +1,108 @@
+"""Attention variants: grouped-query attention (q/k norms, attention sinks, windows, NoPE
+temperature) and multi-head latent attention.
+
+Shapes: T new tokens in the step, B sequences, n most new tokens of one sequence, H query
+heads, G kv heads, r = H / G, d q/k head dim, dv value dim, L keys per sequence, and for
+MLA c the latent (kv_lora_rank), dn / dr the non-rotary / rotary q-k dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..base.model_config import ModelConfig
+from .kv_cache import KVCache, StepBatch
+from .layers import rms_norm
+from .rope import apply_rotary
+
+LATENT_NORM_EPS = 1e-6  # DeepSeek's q/kv latent RMSNorms use their default eps, not the config's
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, batch: StepBatch,
+           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence: q [T, H, d], keys [B, G, L, d], values
+    [B, G, L, dv], mask [B, 1, n, L] -> [T, H, dv].
+
+    Grouped-query attention: query head j reads kv head j // r. The r query heads of a kv
+    head become r x n query rows of that head, so K and V are read where they are (copying
+    them r times would cost more than the attention at large batches)."""
+    T, H, d = q.shape
+    B, G, n = len(batch.slots), keys.shape[1], batch.max_new
+    r = H // G
+    q_pad = q.new_zeros(B * n, H, d)
+    q_pad[batch.padded_index] = q
+    q_grouped = q_pad.view(B, n, G, r, d).permute(0, 2, 3, 1, 4).reshape(B, G, r * n, d)
+    mask = mask if r == 1 else mask.repeat(1, 1, r, 1)  # [B, 1, r * n, L]
+    if sinks is not None:
+        keys, values, mask = _with_sink(keys, values, mask, sinks.view(G, r), n)
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask, scale=scale)
+    dv = out.shape[-1]
+    return out.view(B, G, r, n, dv).permute(0, 3, 1, 2, 4).reshape(B * n, H, dv)[batch.padded_index]
+
+
+def _with_sink(keys, values, mask, sinks, n):
+    """One more key per head whose logit is the head's sink and whose value is zero: it
+    takes its share of the softmax and adds nothing (GPT-OSS)."""
+    B, G, L, _ = keys.shape
+    zero = keys.new_zeros(B, G, 1, keys.shape[-1])
+    keys = torch.cat([keys, zero], dim=2)
+    values = torch.cat([values, values.new_zeros(B, G, 1, values.shape[-1])], dim=2)
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device).masked_fill(~mask, float("-inf"))
+    rows = mask.shape[2]
+    sink = sinks.to(keys.dtype)[:, :, None].expand(G, sinks.shape[1], n).reshape(1, G, rows, 1).expand(B, G, rows, 1)
+    return keys, values, torch.cat([bias.expand(B, G, rows, L), sink], dim=-1)
+
+
+def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KVCache, rope) -> torch.Tensor:
+    """Grouped-query attention of layer i on x [T, D]; `rope` is (cos, sin), or None in a NoPE layer."""
+    a, eps = c.attention, c.rms_norm_eps
+    T, d = x.shape[0], a.head_dim
+    q, k, v = F.linear(x, lw.q, lw.q_bias), F.linear(x, lw.k, lw.k_bias), F.linear(x, lw.v, lw.v_bias)
+    if a.qk_norm == "full":  # OLMoE: over the whole projection
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    if a.clip_qkv is not None:
+        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+    q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
+    if a.qk_norm == "head":  # Qwen3-MoE, GLM-4.5: per head
+        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+    if rope is not None:
+        q, k = apply_rotary(q, *rope, c.rope.style), apply_rotary(k, *rope, c.rope.style)
+        if a.qk_norm == "l2":  # Llama 4: weightless, after the rotation, RoPE layers only
+            q, k = rms_norm(q, None, eps), rms_norm(k, None, eps)
+    elif a.temperature is not None:  # Llama 4's NoPE layers: sharper attention far into the context
+        floor_scale, attn_scale = a.temperature
+        scales = torch.log1p(torch.floor((batch.positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        q = (q * scales[:, None, None]).to(q.dtype)
+    keys, values, mask = cache.write_and_read(i, batch, k, v)
+    out = attend(q, keys, values, mask, batch, a.scale, lw.sinks)
+    return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
+
+
+def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KVCache, rope) -> torch.Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) of layer i on x [T, D].
+
+    K and V of all heads are up-projections of one latent per token: k_nope = W_uk c,
+    v = W_uv c. The cache keeps [c | k_rot] ((kv_lora_rank + qk_rope_dim) per token and
+    layer, what MLA exists for) and the up-projections are absorbed: q_nope . (W_uk c) =
+    (W_uk^T q_nope) . c, and sum_j p_j W_uv c_j = W_uv (sum_j p_j c_j), so attention runs
+    over the latents with one shared kv head and nothing is expanded per position."""
+    a = c.attention
+    T, H, dn, dr, lat = x.shape[0], a.num_heads, a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
+    if lw.q_a is not None:
+        q = F.linear(rms_norm(F.linear(x, lw.q_a, lw.q_a_bias), lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
+    else:
+        q = F.linear(x, lw.q)
+    q_nope, q_rot = q.view(T, H, dn + dr).split([dn, dr], dim=-1)
+    latent, k_rot = F.linear(x, lw.kv_a, lw.kv_a_bias).split([lat, dr], dim=-1)
+    latent = rms_norm(latent, lw.kv_a_norm, LATENT_NORM_EPS)
+    q_rot, k_rot = apply_rotary(q_rot, *rope, c.rope.style), apply_rotary(k_rot[:, None, :], *rope, c.rope.style)
+    w_kv = lw.kv_b.view(H, dn + a.v_head_dim, lat)
+    query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :dn]), q_rot], dim=-1)  # [T, H, c + dr]
+    keys, _, mask = cache.write_and_read(i, batch, torch.cat([latent[:, None, :], k_rot], dim=-1), None)
+    out = attend(query, keys, keys[..., :lat], mask, batch, a.scale)  # [T, H, c]
+    out = torch.einsum("thc,hvc->thv", out, w_kv[:, dn:])  # [T, H, dv]
+    return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
+
+
+ATTENTION = {"gqa": gqa, "mla": mla}

@@ -1,0 +1,165 @@
+"""The weights that stay on the compute device: everything but the routed experts
+(embeddings, norms, attention, routers, shared experts, dense MLPs, the LM head), read
+from a checkpoint by role and checked against the shapes config.json implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base.checkpoint import Checkpoint
+
+Tensor = torch.Tensor | None
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    o: torch.Tensor
+    attn_norm_bias: Tensor = None  # LayerNorm families
+    mlp_norm_bias: Tensor = None
+    q: Tensor = None  # GQA; MLA without a q latent
+    k: Tensor = None
+    v: Tensor = None
+    q_bias: Tensor = None
+    k_bias: Tensor = None
+    v_bias: Tensor = None
+    o_bias: Tensor = None
+    q_norm: Tensor = None
+    k_norm: Tensor = None
+    sinks: Tensor = None  # [H]
+    q_a: Tensor = None  # MLA: [q_lora, D]
+    q_a_bias: Tensor = None
+    q_a_norm: Tensor = None
+    q_b: Tensor = None  # [H * (dn + dr), q_lora]
+    kv_a: Tensor = None  # [c + dr, D]
+    kv_a_bias: Tensor = None
+    kv_a_norm: Tensor = None
+    kv_b: Tensor = None  # [H * (dn + dv), c]
+    router: Tensor = None  # [E, D]; None in a dense layer
+    router_bias: Tensor = None  # [E], added to the logits (GPT-OSS)
+    correction_bias: Tensor = None  # [E], shifts the choice only (DeepSeek-V3, GLM-4.5)
+    shared_gate_up: Tensor = None  # [2S, D]
+    shared_down: Tensor = None  # [D, S]
+    shared_expert_gate: Tensor = None  # [1, D] (Qwen2-MoE's sigmoid gate)
+    dense_gate_up: Tensor = None  # [2F, D]
+    dense_down: Tensor = None  # [D, F]
+
+
+@dataclass
+class ModelWeights:
+    """Everything but the routed experts: what stays on the compute device."""
+
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm_bias: Tensor = None
+    lm_head_bias: Tensor = None
+
+    def tensors(self):
+        yield from (t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head_bias) if t is not None)
+        if self.lm_head is not self.embed:
+            yield self.lm_head
+        for layer in self.layers:
+            yield from (t for t in vars(layer).values() if t is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+        c = ckpt.config
+        D, V = c.hidden_size, c.vocab_size
+        loader = _Loader(ckpt, device, dtype)
+        layers = [loader.layer(i) for i in range(c.num_layers)]
+        embed = loader.get("embed", (V, D))
+        head = None if c.tie_word_embeddings else loader.get("lm_head", (V, D), required=False)
+        lm_head = embed if head is None else head  # no lm_head in the file: the embedding is the head
+        return cls(embed=embed, final_norm=loader.get("final_norm", (D,)), lm_head=lm_head, layers=layers,
+                   final_norm_bias=loader.get("final_norm_bias", (D,), required=False),
+                   lm_head_bias=loader.get("lm_head_bias", (V,), required=False))
+
+
+class _Loader:
+    """Reads one layer's tensors by role (base/checkpoint.py names them), on the device."""
+
+    def __init__(self, ckpt: Checkpoint, device, dtype):
+        self.ckpt, self.device, self.dtype = ckpt, device, dtype
+        self.c = ckpt.config
+
+    def get(self, role, shape, layer=None, required=True):
+        t = self.ckpt.get(role, shape, layer, required)
+        return None if t is None else t.to(device=self.device, dtype=self.dtype)
+
+    def pair(self, gate_role, up_role, down_role, inter, i):
+        """A SwiGLU MLP as gate_up [2F, D] (gate rows first) and down [D, F]."""
+        D = self.c.hidden_size
+        gate_up = torch.cat([self.get(gate_role, (inter, D), i), self.get(up_role, (inter, D), i)])
+        return gate_up, self.get(down_role, (D, inter), i)
+
+    def layer(self, i: int) -> LayerWeights:
+        c, D = self.c, self.c.hidden_size
+        lw = LayerWeights(
+            attn_norm=self.get("attn_norm", (D,), i), mlp_norm=self.get("mlp_norm", (D,), i),
+            o=self.get("o", (D, c.num_heads * c.attention.v_head_dim), i),
+            o_bias=self.get("o_bias", (D,), i, required=False),
+        )
+        if c.family.norm == "layer":
+            lw.attn_norm_bias, lw.mlp_norm_bias = self.get("attn_norm_bias", (D,), i), self.get("mlp_norm_bias", (D,), i)
+        if c.attention.kind == "mla":
+            self.mla(lw, i)
+        else:
+            self.gqa(lw, i)
+        if c.moe_layers[i]:
+            self.moe(lw, i)
+        else:
+            lw.dense_gate_up, lw.dense_down = self.pair("dense_gate_proj", "dense_up_proj", "dense_down_proj",
+                                                        c.dense_intermediate_size, i)
+        return lw
+
+    def gqa(self, lw: LayerWeights, i: int) -> None:
+        a, D = self.c.attention, self.c.hidden_size
+        q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        lw.q, lw.k, lw.v = self.get("q", (q_out, D), i), self.get("k", (kv_out, D), i), self.get("v", (kv_out, D), i)
+        lw.q_bias = self.get("q_bias", (q_out,), i, required=False)
+        lw.k_bias = self.get("k_bias", (kv_out,), i, required=False)
+        lw.v_bias = self.get("v_bias", (kv_out,), i, required=False)
+        norm_q, norm_k = {"head": (a.head_dim, a.head_dim), "full": (q_out, kv_out)}.get(a.qk_norm, (None, None))
+        if norm_q:
+            lw.q_norm, lw.k_norm = self.get("q_norm", (norm_q,), i), self.get("k_norm", (norm_k,), i)
+        if a.sinks:
+            lw.sinks = self.get("sinks", (a.num_heads,), i)
+
+    def mla(self, lw: LayerWeights, i: int) -> None:
+        a, D = self.c.attention, self.c.hidden_size
+        q_out = a.num_heads * (a.qk_nope_dim + a.qk_rope_dim)
+        if a.q_lora_rank:
+            lw.q_a, lw.q_a_norm = self.get("q_a", (a.q_lora_rank, D), i), self.get("q_a_norm", (a.q_lora_rank,), i)
+            lw.q_a_bias = self.get("q_a_bias", (a.q_lora_rank,), i, required=False)
+            lw.q_b = self.get("q_b", (q_out, a.q_lora_rank), i)
+        else:
+            lw.q = self.get("q", (q_out, D), i)
+        lw.kv_a = self.get("kv_a", (a.kv_lora_rank + a.qk_rope_dim, D), i)
+        lw.kv_a_bias = self.get("kv_a_bias", (a.kv_lora_rank + a.qk_rope_dim,), i, required=False)
+        lw.kv_a_norm = self.get("kv_a_norm", (a.kv_lora_rank,), i)
+        lw.kv_b = self.get("kv_b", (a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank), i)
+
+    def moe(self, lw: LayerWeights, i: int) -> None:
+        c, D = self.c, self.c.hidden_size
+        E = c.num_experts
+        # routers in float32 whatever the compute dtype (as DeepSeek's reference keeps them): they are
+        # small, and a pick decided by a rounding of the router would change which expert moves
+        lw.router = self.ckpt.get("router", (E, D), i).to(self.device, torch.float32)
+        if c.router.logit_bias:
+            lw.router_bias = self.ckpt.get("router_bias", (E,), i).to(self.device, torch.float32)
+        if c.router.correction_bias:
+            lw.correction_bias = self.ckpt.get("correction_bias", (E,), i).to(self.device, torch.float32)
+        if c.shared_expert_intermediate_size:
+            lw.shared_gate_up, lw.shared_down = self.pair("shared_gate_proj", "shared_up_proj", "shared_down_proj",
+                                                          c.shared_expert_intermediate_size, i)
+            if c.family.shared == "gated":
+                lw.shared_expert_gate = self.get("shared_expert_gate", (1, D), i)
