@@ -36,12 +36,14 @@ def test_calibrate_saves_a_loadable_profile(tmp_path, capsys):
     assert m["engine_fit_passes"] >= 10 and m["engine_fit_rms_rel_error"] < 0.5
     assert p.kernel_launch_s == m["engine_kernel_launch_s"] and p.device_mem_bw == m["engine_device_mem_bw"]
     assert m["engine_fetch_s"] > 0 and p.transfer_latency_s > 0
-    assert not list((tmp_path / "disk").iterdir())  # the test file is removed
+    # the disk test file is removed; the probe's expert file is kept in --dir, and nowhere else
+    assert {p.name.split("-")[0] for p in (tmp_path / "disk").iterdir()} == {"experts"}
+    assert not list((tmp_path / "cache").rglob("experts-*"))
 
 
 def test_calibrate_refuses_a_builtin_name(capsys):
-    rc, out, err = run(["--name", "h100-pcie5", "--size", "16MiB"], capsys)
-    assert rc == 2 and "built-in" in err
+    with pytest.raises(calibrate_command.CalibrateError, match="built-in"):
+        run(["--name", "h100-pcie5", "--size", "16MiB"], capsys)
 
 
 def test_cuda_measurements_make_a_host_tier_gpu_profile_and_a_disk_variant():
