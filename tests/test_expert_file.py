@@ -93,7 +93,7 @@ def test_a_new_file_carries_its_layout_and_checksums(ckpt, tmp_path):
 
 def test_concurrent_processes_build_the_file_once_and_all_use_it(ckpt, tmp_path):
     go = tmp_path / "go"
-    procs = [builder(ckpt, tmp_path / "experts", go, 0.02) for _ in range(3)]
+    procs = [builder(ckpt, tmp_path / "experts", go, 0.1) for _ in range(2)]  # builds overlap by ~1.6 s
     time.sleep(0.5)
     go.touch()
     results = []
@@ -101,7 +101,7 @@ def test_concurrent_processes_build_the_file_once_and_all_use_it(ckpt, tmp_path)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         results.append(json.loads(out))
-    assert sorted(r["built"] for r in results) == [False, False, True]
+    assert sorted(r["built"] for r in results) == [False, True]
     assert all(r["same"] and r["repaired"] == 0 for r in results)
     assert leftovers(tmp_path / "experts") == []
 
@@ -110,7 +110,7 @@ def test_an_interrupted_build_leaves_no_file_and_the_next_run_cleans_up_and_buil
     go = tmp_path / "go"
     go.touch()
     out_dir = tmp_path / "experts"
-    proc = builder(ckpt, out_dir, go, 0.2)  # 16 experts: about 3 s to build
+    proc = builder(ckpt, out_dir, go, 0.1)  # 16 experts: about 1.6 s to build
     deadline = time.monotonic() + 60
     while not (out_dir.is_dir() and leftovers(out_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, "the build never started writing"
