@@ -134,6 +134,7 @@ def open_or_build(path: Path, layout: ExpertLayout, expert: Callable[[Key], byte
             if found.problem:
                 warn(f"the expert file {path} is not usable ({found.problem}); rebuilding it from the checkpoint")
             remove_leftovers(path)
+            path.with_suffix(".json").unlink(missing_ok=True)  # version 1's manifest
             checksums: list[int] = []
             publish(path, lambda tmp: checksums.extend(_write(tmp, layout, expert)))
     except OSError as exc:
