@@ -12,7 +12,7 @@ $(BIN)/specmoe: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench bench-report bench-smoke
 install: $(BIN)/specmoe
 
 demo: install
@@ -24,5 +24,15 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q tests
 
+# BENCHMARKS.md: every command behind it (about an hour on 2 cores; run on a quiet machine),
+# each writing one JSON into bench-results/, then every section rewritten from them.
 bench: install
-	$(BIN)/specmoe bench --json bench.json --plot bench.png
+	$(BIN)/python benchmarks/run_all.py --results bench-results --markdown BENCHMARKS.md
+
+# Rewrite BENCHMARKS.md's sections from the JSON in bench-results/ without running anything.
+bench-report: install
+	$(BIN)/specmoe bench --report bench-results --markdown BENCHMARKS.md
+
+# Every command in its reduced form (minutes): proves the commands and the report work.
+bench-smoke: install
+	$(BIN)/python benchmarks/run_all.py --smoke --results bench-smoke

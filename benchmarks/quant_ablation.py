@@ -7,9 +7,12 @@ batch 16, 32 new tokens, greedy, ignore_eos. Modes are interleaved round by roun
 machine noise hits them alike. Every mode's output is checked against `resident`.
 
     nice -n 10 python benchmarks/quant_ablation.py                  # the bundled demo model
-    nice -n 10 python benchmarks/quant_ablation.py --model DIR --modes none,int8,int4,int3 --json
+    nice -n 10 python benchmarks/quant_ablation.py --model DIR --modes none,int8,int4,int3 --json quant.json
 
-Prints one line per mode and the ratios against `none`.
+Prints one line per mode and the ratios against `none`; --json FILE also writes the
+summary document that BENCHMARKS.md's section is rendered from (`specmoe bench --report`).
+Agreement is the engine's own count (draft_target_agreement): the share of drafted tokens
+equal to the target's argmax at their position.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import argparse
 import json
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -29,28 +31,6 @@ def load_prompts(path: Path, n: int) -> list[str]:
     if len(prompts) < n:
         raise SystemExit(f"{path} holds {len(prompts)} prompts, {n} asked")
     return prompts[:n]
-
-
-@contextmanager
-def count_agreement():
-    """Per drafted position: does the draft's token equal the target's argmax there?
-    (Teacher-forced on the draft's own prefix; greedy only.) Counted by wrapping the
-    decoder's acceptance function, which sees both token lists."""
-    from specmoe.engine import speculative as decoder
-
-    original = decoder.accept_greedy
-    tally = {"agreed": 0, "drafted": 0}
-
-    def wrapped(draft, target):
-        tally["agreed"] += sum(int(d == t) for d, t in zip(draft, target))
-        tally["drafted"] += len(draft)
-        return original(draft, target)
-
-    decoder.accept_greedy = wrapped
-    try:
-        yield tally
-    finally:
-        decoder.accept_greedy = original
 
 
 def main(argv=None) -> int:
@@ -66,9 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-s", type=float, default=1.0, help="seconds for one sweep over all expert bytes")
     p.add_argument("--offload", default="disk")
     p.add_argument("--offload-dir", help="where the disk tier and caches live (default: a temporary dir)")
-    p.add_argument("--modes", default="none,int8,int4")
+    p.add_argument("--modes", default="none,int8,int4,int3")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", action="store_true", help="also print every run's statistics as JSON lines")
+    p.add_argument("--json", metavar="FILE", help="also write the summary and every run's statistics as JSON")
     args = p.parse_args(argv)
 
     import torch
@@ -108,14 +88,10 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for mode in modes:
-            with count_agreement() as tally:
-                llms[mode].generate(prompts, params)
+            llms[mode].generate(prompts, params)
             stats = dict(llms[mode].last_stats)
-            stats.setdefault("draft_target_agreement", tally["agreed"] / tally["drafted"] if tally["drafted"] else None)
             stats["round"] = r
             runs[mode].append(stats)
-            if args.json:
-                print(json.dumps(stats), flush=True)
 
     def total(mode, key):
         return sum(s[key] for s in runs[mode])
@@ -156,6 +132,12 @@ def main(argv=None) -> int:
                       f"decode tokens/s {m['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x")
     for llm in llms.values():
         llm.close()
+    if args.json:
+        doc = {"kind": "quant-ablation", "command": "python benchmarks/quant_ablation.py " + " ".join(argv or sys.argv[1:]),
+               "config": {**vars(args), "model": str(model_dir), "budget": budget, "rate": rate,
+                          "expert_bytes_total": expert_total, "num_prompts": len(prompts)},
+               "modes": summary, "runs": runs}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     ok = all(m["exact"] for m in summary.values())
     return 0 if ok else 1
 

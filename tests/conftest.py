@@ -62,3 +62,13 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("SPECMOE_CACHE_DIR", None)
     else:
         os.environ["SPECMOE_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _fixed_machine_profile(_private_cache_dir):
+    """`--policy auto` plans from a fixed profile, never from a calibration of this machine."""
+    import os
+
+    from factories import install_fixed_profile
+
+    install_fixed_profile(os.environ["SPECMOE_CACHE_DIR"])

@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import json
 import random
+import threading
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -362,6 +364,35 @@ def read_config(path) -> dict:
 # --- helpers for tests of the engine ---------------------------------------------------------
 
 
+FIXED_PROFILE = Path(__file__).resolve().parent / "data" / "profile-2core-disk.json"
+
+
+def install_fixed_profile(cache_dir) -> None:
+    """Make a profile measured once on a 2-core VM this cache dir's `local` profile, so
+    that `--policy auto` plans from fixed numbers instead of calibrating the machine the
+    tests run on (seconds per session, and choices that depend on that machine)."""
+    import shutil
+
+    profiles = Path(cache_dir) / "profiles"
+    profiles.mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXED_PROFILE, profiles / "local.json")
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`specmoe ARGS` in-process: (exit status, stdout, stderr). argparse's own errors end
+    in SystemExit, as they end the real process."""
+    from specmoe.cli import main
+
+    capsys.readouterr()  # drop what earlier steps of the test printed
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 2
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+
 def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
     """Device budget: non-expert bytes + KV for `batch` x `max_len` + `fraction` of all expert bytes."""
     e = llm.engine
@@ -369,10 +400,85 @@ def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
     return int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + fraction * experts)
 
 
-def assert_policy_run_is_exact(stats: dict, sha: str, budget: int, policy: str) -> None:
-    """Resident's tokens, within the budget, and (offloading) experts really moved."""
+# --- the device budget, measured without the ledger -------------------------------------------
+
+# What the engine may hold on the device beyond its ledger: routing bookkeeping the ledger
+# does not charge (affinity distances E x E per block, substitution maps, the caching
+# policy's pick counts, rotary frequencies). Under 1 KiB for the tiny models here, and
+# less than one of their experts (6 KiB), so an uncharged expert copy would show.
+BOOKKEEPING_ALLOWANCE = 4096
+
+
+def device_bytes_held(engine) -> int:
+    """Bytes of every distinct tensor storage on the engine's device reachable from the
+    engine: weights, KV cache, expert pool, quantized copies, draft sets, anything a policy
+    keeps. Found by walking the objects the engine owns, not by asking its budget ledger.
+    The offload tier (the store: host memory or a file, by definition not the device) and
+    the checkpoint reader are not walked; on a CPU-only machine they share the device's
+    memory, but they are the slow tier."""
+    skip = {id(engine.checkpoint), id(getattr(engine.policy, "store", None)), id(engine.tokenizer)}
+    seen, storages, stack = set(skip), {}, [engine]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == engine.device.type:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += list(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        else:
+            stack += list(getattr(obj, "__dict__", {}).values())
+            stack += [getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name)]
+    return sum(storages.values())
+
+
+_LEAVES = (str, bytes, int, float, bool, type(None), type, types.FunctionType, types.BuiltinFunctionType,
+           types.ModuleType, torch.dtype, torch.device, torch.Generator, threading.Thread)
+
+
+def watch_device_bytes(engine) -> list[int]:
+    """device_bytes_held after construction, after every pass and after every step of the
+    engine: the list grows while it runs; its max is the measured peak."""
+    samples = [device_bytes_held(engine)]
+    original_scope, original_step = engine.pass_scope, engine.step
+
+    @contextmanager
+    def scope(kind):
+        with original_scope(kind) as experts:
+            yield experts
+        samples.append(device_bytes_held(engine))
+
+    def step():
+        done = original_step()
+        samples.append(device_bytes_held(engine))
+        return done
+
+    engine.pass_scope, engine.step = scope, step
+    return samples
+
+
+def cuda_activation_allowance(config, tokens: int, kv_len: int) -> int:
+    """What one forward pass of `tokens` tokens may allocate on CUDA beyond the budget:
+    its activations. Per token, float32: hidden states, norms and residuals (8 D), q/k/v/o
+    (4 H d), attention scores and probabilities over kv_len keys (2 H kv_len), router
+    logits (E), the intermediate of the expert that runs (2 I), logits (V); doubled for
+    temporaries; plus 1 MiB for the caching allocator's rounding of every block to 512 B."""
+    c = config
+    per_token = (8 * c.hidden_size + 4 * c.num_heads * c.head_dim + 2 * c.num_heads * kv_len + c.num_experts
+                 + 2 * c.expert_intermediate_size + c.vocab_size)
+    return 2 * 4 * per_token * tokens + (1 << 20)
+
+
+def assert_policy_run_is_exact(stats: dict, sha: str, policy: str) -> None:
+    """Resident's tokens and (offloading) experts really moved."""
     assert stats["token_ids_sha256"] == sha
-    assert stats["device_peak_bytes"] <= budget
     if policy != "host":
         assert stats["transfer_bytes"] > 0
 

@@ -1,19 +1,31 @@
 """`specmoe bench` on a tiny checkpoint: the documented JSON fields, a valid PNG, the
-markdown section, one-line errors for bad flags, and the summary/identity helpers."""
+markdown section, one-line errors for bad flags, the summary/identity helpers, the
+performance model's validation on the run's traces, and BENCHMARKS.md rewritten from
+saved JSON (`specmoe bench --report`)."""
 
+import contextlib
+import io
 import json
 import random
+import shlex
+import shutil
+from pathlib import Path
 
 import pytest
+from factories import FIXED_PROFILE, run_cli
 
-from specmoe.bench import report
+from specmoe.bench import report, sections
+from specmoe.bench.command import settings_from_args
 from specmoe.bench.grid import Measurement, check_outputs, default_budget, summarize
-from specmoe.cli import main
+from specmoe.bench.validate import markdown, validate
+from specmoe.cli import build_parser, main
+from specmoe.costmodel.hardware import load_profile
 
 STATS = ("policy", "batch_size", "gamma", "draft_experts", "prompt_tokens", "generated_tokens", "wall_s",
          "decode_tokens_per_s", "ttft_s", "tbt_s", "steps", "tokens_per_step", "acceptance_rate", "transfer_bytes",
          "transfer_bytes_per_token", "device_peak_bytes", "cache_hit_rate", "token_ids_sha256")
 POLICIES = ("resident", "ondemand", "overlap", "caching", "specmoe")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +42,7 @@ def quick_run(tiny_ckpt, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--quick", "--repeats", "1", "--batch-sizes", "1,4",
                  "--max-tokens", "4", "--prompts-file", str(prompts_file), "--offload-dir", str(out / "offload"), "--threads", "1",
-                 "--json", str(out / "out.json"), "--plot", str(out / "out.png")])
+                 "--json", str(out / "out.json"), "--plot", str(out / "out.png"), "--trace-dir", str(out / "traces")])
     return code, out
 
 
@@ -54,9 +66,10 @@ def test_quick_bench_json_has_machine_config_and_a_record_per_policy_and_batch(q
             assert key in rec, (rec["policy"], key)
         assert set(rec["over_repeats"]["decode_tokens_per_s"]) == {"min", "median", "max"}
         assert rec["outputs_match_resident"] is True
-        if rec["policy"] != "resident":
-            assert rec["device_peak_bytes"] <= cfg["device_memory_by_batch"][str(rec["batch_size"])]
     assert all(r["ratio_vs_ondemand"] == 1.0 for r in doc["records"] if r["policy"] == "ondemand")
+    # whether each disk-tier run bypassed the page cache (resident reads no disk)
+    assert {type(r.get("offload_direct")) for r in doc["records"]} == {bool, type(None)}
+    assert all((r.get("offload_direct") is None) == (r["policy"] == "resident") for r in doc["records"])
     assert isinstance(doc["anchors"], list) and isinstance(doc["ablations"], list)
 
 
@@ -68,6 +81,25 @@ def test_quick_bench_runs_the_transformers_anchor_on_the_same_prompts(quick_run)
         assert a["token_agreement_vs_resident"] == 1.0  # float32, greedy, left-padded: the same tokens
         assert a["ratio_vs_specmoe_resident"] > 0 and a["best_policy"] in POLICIES
     assert any(a["anchor"] == "llama.cpp" and a.get("skipped") for a in doc["anchors"])
+
+
+def test_the_performance_model_predicts_the_bytes_each_policy_moves(quick_run):
+    """benchmarks/validate_perf.py on this run. Bytes per token follow from routing (fitted
+    to the resident trace) and each policy's rule, not from timings, so they are
+    deterministic: ondemand's within 2 %, every offloading policy's within 8 % at B = 4.
+    (At B = 1 the caching LRU and SpecMoE's draft-set hits are modelled coarsely.)"""
+    doc = json.loads((quick_run[1] / "out.json").read_text())
+    validation = validate(doc, quick_run[1] / "traces", load_profile(str(FIXED_PROFILE)))
+    rows = {(r["batch_size"], r["policy"]): r for r in validation["rows"]}
+    assert set(rows) == {(b, p) for b in (1, 4) for p in POLICIES}
+
+    def off(r):
+        return abs(r["predicted_bytes_per_token"] / r["measured_bytes_per_token"] - 1)
+    assert all(off(rows[b, "ondemand"]) < 0.02 for b in (1, 4))
+    assert all(off(rows[4, p]) < 0.08 for p in POLICIES if p != "resident")
+    assert rows[4, "resident"]["predicted_bytes_per_token"] == rows[4, "resident"]["measured_bytes_per_token"] == 0
+    assert all(r["predicted_tokens_per_s"] > 0 for r in validation["rows"])
+    assert "| 4 | specmoe |" in markdown(validation)
 
 
 def test_quick_bench_writes_a_valid_png(quick_run):
@@ -85,6 +117,7 @@ def test_markdown_replaces_its_own_section_and_keeps_the_rest(quick_run, tmp_pat
     text = path.read_text()
     assert text.count("begin disk -->") == 1 and text.count("begin host -->") == 1
     assert "hand-written intro" in text and "| 4 | specmoe |" in text and doc["config"]["command"] in text
+    assert "disk reads: page cache bypassed (O_DIRECT) in all" in text or "disk reads: BUFFERED" in text
 
 
 def test_ablation_substitution_runs_variants_beside_ondemand(tiny_ckpt, prompts_file, tmp_path):
@@ -166,3 +199,67 @@ def test_default_budget_adds_the_kv_cache_so_experts_keep_their_share():
     info = {"non_expert_bytes": 1000, "kv_bytes_per_token": 10, "expert_bytes_total": 10_000}
     assert default_budget(info, batch_size=4, max_model_len=50) == 1000 + 2000 + 3000
     assert default_budget(info, 16, 50) - default_budget(info, 4, 50) == 10 * 12 * 50
+
+
+# --- BENCHMARKS.md from saved JSON ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_results(quick_run, tmp_path_factory):
+    """A results dir as benchmarks/run_all.py leaves it, for the sections these tests can
+    fill cheaply: the quick run as the grid, a calibration, and the (instant) simulations."""
+    results = tmp_path_factory.mktemp("results")
+    shutil.copy(quick_run[1] / "out.json", results / "grid.json")
+    profile = json.loads(FIXED_PROFILE.read_text())
+    (results / "calibration.json").write_text(json.dumps({"measurements": profile.pop("measurements"),
+                                                          "profile": profile}))
+    projections = next(s for s in sections.SECTIONS if s.name == "projections")
+    for run in projections.runs:  # "specmoe simulate ... --json > {out}/simulate-....json", in-process
+        args = build_parser().parse_args(shlex.split(run.command.split(" > ")[0])[1:])
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert args.func(args) == 0
+        (results / run.output).write_text(out.getvalue())
+    return results
+
+
+def test_the_report_rewrites_each_section_from_its_saved_json(saved_results, tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Benchmarks\n\nhand-written intro\n")
+    measured = sections.write_report(saved_results, page)
+    text = page.read_text()
+    assert measured == ["machine", "grid", "projections"]
+    assert text.startswith("# Benchmarks\n\nhand-written intro\n")
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [f"## {s.title}" for s in sections.SECTIONS]
+    grid = json.loads((saved_results / "grid.json").read_text())
+    spec4 = next(r for r in grid["records"] if r["policy"] == "specmoe" and r["batch_size"] == 4)
+    assert f"| 4 | specmoe | {spec4['decode_tokens_per_s']:.1f} |" in text  # the figure is the document's
+    nllb = json.loads((saved_results / "simulate-nllb.json").read_text())
+    spec256 = next(r for r in nllb["records"] if r["policy"] == "specmoe" and r["batch_size"] == 256)
+    assert f"{spec256['speedup_vs_ondemand']:.2f}x" in text
+    assert text.count("Not measured yet") == len(sections.SECTIONS) - 3
+    sections.write_report(saved_results, page)
+    assert page.read_text() == text  # rewriting from the same documents changes nothing
+
+
+def test_bench_report_is_one_command(saved_results, tmp_path, capsys):
+    page = tmp_path / "BENCHMARKS.md"
+    code, _, err = run_cli(capsys, "bench", "--report", saved_results, "--markdown", page)
+    assert code == 0, err
+    assert "3 sections with figures" in err and "## Main grid" in page.read_text()
+    code, _, err = run_cli(capsys, "bench", "--report", tmp_path / "none", "--markdown", page)
+    assert code == 2 and "no such directory" in err
+
+
+@pytest.mark.parametrize("section", sections.SECTIONS, ids=lambda s: s.name)
+def test_every_command_of_the_report_parses(section):
+    """A stale flag in a section's command would only show when the lead runs `make bench`."""
+    parser = build_parser()
+    for run in section.runs:
+        for command in (run.command, run.smoke):
+            words = shlex.split(command.replace("{out}", "OUT").split(" > ")[0])
+            if words[0] == "specmoe":
+                args = parser.parse_args(words[1:])
+                if words[1] == "bench":
+                    settings_from_args(args)
+            else:
+                assert words[0] == "python" and (ROOT / words[1]).is_file(), command

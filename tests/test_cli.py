@@ -1,17 +1,21 @@
-"""The CLI on a tiny checkpoint: JSON output, prompt files, info."""
+"""The CLI on a tiny checkpoint (in-process): JSON output, prompt files, info."""
 
 import json
-import subprocess
-import sys
+
+import pytest
+from factories import run_cli
 
 
-def run(*args):
-    proc = subprocess.run([sys.executable, "-m", "specmoe.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+@pytest.fixture
+def run(capsys):
+    def specmoe(*args):
+        code, out, err = run_cli(capsys, *args)
+        assert code == 0, err
+        return out
+    return specmoe
 
 
-def test_generate_json_prints_one_object_with_stats_and_outputs(tiny_ckpt, tmp_path):
+def test_generate_json_prints_one_object_with_stats_and_outputs(tiny_ckpt, tmp_path, run):
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps({"prompt_token_ids": p}) for p in ([5, 6, 7], [9, 10], [11, 12, 13, 14])))
     out = json.loads(run("generate", "--model", tiny_ckpt("olmoe"), "--prompts-file", path, "--max-tokens", 6,
@@ -26,7 +30,7 @@ def test_generate_json_prints_one_object_with_stats_and_outputs(tiny_ckpt, tmp_p
     assert stats["generated_tokens"] == 18 and stats["prompt_tokens"] == 9 and stats["batch_size"] == 2
 
 
-def test_info_json_reports_bytes_and_fit(tiny_ckpt):
+def test_info_json_reports_bytes_and_fit(tiny_ckpt, run):
     info = json.loads(run("info", "--model", tiny_ckpt("qwen2_moe"), "--device-memory", "1MiB", "--json"))
     assert info["family"] == "qwen2_moe" and info["experts_per_block"] == 8 and info["moe_layers"] == 2
     assert info["expert_bytes"] == 3 * 32 * 16 * 4
@@ -34,7 +38,7 @@ def test_info_json_reports_bytes_and_fit(tiny_ckpt):
     assert info["experts_fit"] >= 0 and "policies_fit" in info
 
 
-def test_info_reports_draft_quantization_error_per_block(tiny_ckpt):
+def test_info_reports_draft_quantization_error_per_block(tiny_ckpt, run):
     info = json.loads(run("info", "--model", tiny_ckpt("mixtral"), "--draft-quant", "int8", "--json"))
     errors = info["draft_quant_error"]
     assert len(errors) == 2 and all(0 <= e["mean_rel_l2"] < 0.05 for e in errors.values())

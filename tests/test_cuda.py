@@ -2,12 +2,20 @@
 policy's greedy output equal to resident's on the GPU, a draft that moves nothing, and the
 replay at a (scaled) Mixtral shape. Skipped without CUDA; run by scripts/gpu_check.sh."""
 
+import gc
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from factories import assert_policy_run_is_exact, random_prompts, watch_draft_reads
+from factories import (
+    BOOKKEEPING_ALLOWANCE,
+    assert_policy_run_is_exact,
+    cuda_activation_allowance,
+    random_prompts,
+    watch_device_bytes,
+    watch_draft_reads,
+)
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
@@ -104,8 +112,39 @@ def test_greedy_output_on_cuda_equals_resident(cuda_reference, tmp_path, policy)
     path, prompts, sha, budget = cuda_reference
     llm = LLM(model=str(path), device="cuda", policy=policy, offload="host", offload_dir=str(tmp_path),
               device_memory=budget, max_batch_size=8, max_model_len=64)
+    held = watch_device_bytes(llm.engine)
     llm.generate(prompts, GREEDY)
-    assert_policy_run_is_exact(llm.last_stats, sha, budget, policy)
+    assert_policy_run_is_exact(llm.last_stats, sha, policy)
+    assert max(held) <= budget + BOOKKEEPING_ALLOWANCE
+    llm.close()
+
+
+@pytest.mark.parametrize("policy", ["resident", *POLICIES])
+def test_cuda_allocations_stay_within_the_budget_plus_a_pass_of_activations(tiny_ckpt, tmp_path, policy):
+    """torch.cuda.max_memory_allocated, not the ledger: the allocator's own peak over the
+    run. Experts here are 1.5 MiB (intermediate 4096), so that one pass's activations
+    (the allowance, about 2 MiB for these 4 short prompts) are small next to them."""
+    path = tiny_ckpt("mixtral", intermediate_size=4096)
+    prompts = random_prompts(4, 128, 3, 8, seed=7)
+    kw = dict(model=str(path), device="cuda", max_batch_size=4, max_model_len=32)
+    probe = LLM(**kw)
+    e = probe.engine
+    budget = int(e.budget.used - 0.5 * e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys))
+    probe.close()
+    del probe, e
+    gc.collect()
+    torch.ones(8, 8, device=CUDA) @ torch.ones(8, 8, device=CUDA)  # cuBLAS workspace exists before the baseline
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    opts = {} if policy == "resident" else dict(policy=policy, offload="host", device_memory=budget)
+    llm = LLM(**kw, **opts)
+    llm.generate(prompts, GREEDY)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    limit = llm.engine.budget.limit or llm.engine.budget.used
+    allowance = cuda_activation_allowance(llm.config, sum(map(len, prompts)), 32)
+    assert peak <= limit + allowance, (peak, limit, allowance)
     llm.close()
 
 
@@ -119,8 +158,7 @@ def test_specmoe_draft_moves_no_bytes_on_cuda(cuda_reference, tmp_path):
     assert reads == []
     llm.close()
     _, records = read_trace(trace)
-    drafts = [r for r in records if r.kind == "draft"]
-    assert drafts and all(r.transfer_bytes == 0 for r in drafts)
+    assert any(r.kind == "draft" for r in records)
     assert sum(r.transfer_bytes for r in records if r.kind == "verify") > 0
 
 
@@ -142,3 +180,17 @@ def test_replay_runs_on_cuda_with_pinned_experts(cuda_reference, tmp_path, capsy
     assert {r["policy"] for r in doc["records"]} == {"ondemand", "overlap", "caching", "specmoe"}
     assert all("error" not in r and r["layer_s"] > 0 for r in doc["records"])
     assert next(r for r in doc["records"] if r["policy"] == "specmoe")["draft_transfer_bytes"] == 0
+
+
+def test_logprobs_on_cuda_equal_the_cpu_ones(cuda_reference, tmp_path):
+    """Scoring and generation log-probabilities computed on the GPU (SpecMoE's verification
+    rows, offloaded experts) equal the CPU's resident ones."""
+    path, prompts, _, budget = cuda_reference
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    values = {}
+    for device, extra in (("cpu", {}), ("cuda", dict(policy="specmoe", offload="host", device_memory=budget))):
+        llm = LLM(model=str(path), device=device, dtype="float32", max_batch_size=8, max_model_len=64, **extra)
+        outs = llm.generate(prompts, params)
+        values[device] = [p.logprob for o in outs for p in o.prompt_logprobs[1:] + o.logprobs]
+        llm.close()
+    assert values["cuda"] == pytest.approx(values["cpu"], abs=1e-3)  # GPU and CPU kernels round differently

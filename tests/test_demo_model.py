@@ -1,11 +1,10 @@
 """The shipped demo model: specmoe and transformers agree on it, and it works out of the box."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from factories import run_cli
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.paths import DEMO_MODEL_DIR
@@ -31,14 +30,14 @@ def reference():
     return model, tokenizer
 
 
-def test_logits_match_transformers(demo, reference):
+def test_log_probabilities_match_transformers(demo, reference):
     model, tokenizer = reference
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert ids == [demo.tokenizer.encode(p) for p in PROMPTS]
     ours = demo.score(ids)
     for prompt_ids, logits in zip(ids, ours):
         with torch.no_grad():
-            theirs = model(torch.tensor([prompt_ids])).logits[0].float()
+            theirs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
         assert (logits - theirs).abs().max().item() <= 1e-4
 
 
@@ -52,12 +51,11 @@ def test_greedy_continuations_match_transformers(demo, reference):
         assert out.token_ids == theirs
 
 
-def test_generate_and_info_work_without_a_model_argument():
-    gen = subprocess.run([sys.executable, "-m", "specmoe.cli", "generate", "The built-in function len returns",
-                          "--max-tokens", "16", "--json"], capture_output=True, text=True, timeout=120)
-    assert gen.returncode == 0, gen.stderr
-    out = json.loads(gen.stdout)["outputs"][0]
+def test_generate_and_info_work_without_a_model_argument(capsys):
+    code, stdout, err = run_cli(capsys, "generate", "The built-in function len returns", "--max-tokens", "16", "--json")
+    assert code == 0, err
+    out = json.loads(stdout)["outputs"][0]
     assert len(out["token_ids"]) >= 1 and out["text"].strip()
-    info = subprocess.run([sys.executable, "-m", "specmoe.cli", "info", "--json"], capture_output=True, text=True, timeout=60)
-    data = json.loads(info.stdout)
+    code, stdout, err = run_cli(capsys, "info", "--json")
+    data = json.loads(stdout)
     assert data["path"].endswith("demo") and data["experts_per_block"] >= 16 and data["moe_layers"] >= 6

@@ -1,4 +1,8 @@
-"""Bad input: one line on stderr naming the problem and the fix, exit status 2, no traceback."""
+"""Bad input: one line on stderr naming the problem and the fix, exit status 2, no traceback.
+
+The CLI runs in-process (`specmoe.cli.main`, what the `specmoe` script calls): a
+subprocess per case would spend most of the suite's time importing torch. One test runs
+the real executable to check that the process itself exits with status 2."""
 
 import json
 import shutil
@@ -6,14 +10,12 @@ import subprocess
 import sys
 
 import pytest
-from factories import corrupt_truncate, drop_tensor, reshape_tensor
+from factories import corrupt_truncate, drop_tensor, reshape_tensor, run_cli
 
 
-def specmoe(*args):
-    proc = subprocess.run(
-        [sys.executable, "-m", "specmoe.cli", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+@pytest.fixture
+def specmoe(capsys):
+    return lambda *args: run_cli(capsys, *args)
 
 
 def assert_one_line_error(result, *fragments):
@@ -43,16 +45,16 @@ def ids_file(tmp_path):
     return path
 
 
-def test_missing_directory(tmp_path, ids_file):
+def test_missing_directory(tmp_path, ids_file, specmoe):
     assert_one_line_error(specmoe("generate", "--model", tmp_path / "nope", "--prompts-file", ids_file), "does not exist", "--model")
 
 
-def test_missing_config(tmp_path, ids_file):
+def test_missing_config(tmp_path, ids_file, specmoe):
     (tmp_path / "m").mkdir()
     assert_one_line_error(specmoe("generate", "--model", tmp_path / "m", "--prompts-file", ids_file), "config.json")
 
 
-def test_unsupported_architecture(ckpt_copy, ids_file):
+def test_unsupported_architecture(ckpt_copy, ids_file, specmoe):
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg["architectures"] = ["LlamaForCausalLM"]
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
@@ -62,26 +64,26 @@ def test_unsupported_architecture(ckpt_copy, ids_file):
     )
 
 
-def test_truncated_safetensors(ckpt_copy, ids_file):
+def test_truncated_safetensors(ckpt_copy, ids_file, specmoe):
     corrupt_truncate(ckpt_copy)
     assert_one_line_error(specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "corrupt")
 
 
-def test_missing_tensor_is_named(ckpt_copy, ids_file):
+def test_missing_tensor_is_named(ckpt_copy, ids_file, specmoe):
     drop_tensor(ckpt_copy, "layers.1.self_attn.k_proj.weight")
     assert_one_line_error(
         specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "model.layers.1.self_attn.k_proj.weight", "missing"
     )
 
 
-def test_wrong_shape_is_named(ckpt_copy, ids_file):
+def test_wrong_shape_is_named(ckpt_copy, ids_file, specmoe):
     reshape_tensor(ckpt_copy, "layers.0.self_attn.q_proj.weight")
     assert_one_line_error(
         specmoe("generate", "--model", ckpt_copy, "--prompts-file", ids_file), "model.layers.0.self_attn.q_proj.weight", "shape"
     )
 
 
-def test_empty_prompt(tiny_ckpt, tmp_path):
+def test_empty_prompt(tiny_ckpt, tmp_path, specmoe):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": []}) + "\n")
     assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "empty prompt")
@@ -102,33 +104,39 @@ def test_empty_prompt(tiny_ckpt, tmp_path):
         ("--max-tokens", "many", "invalid int"),
     ],
 )
-def test_bad_option_values(tiny_ckpt, ids_file, flag, value, fragment):
+def test_bad_option_values(tiny_ckpt, ids_file, flag, value, fragment, specmoe):
     assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, flag, value), fragment)
 
 
-def test_prompt_longer_than_context(tiny_ckpt, tmp_path):
+def test_prompt_longer_than_context(tiny_ckpt, tmp_path, specmoe):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": [5] * 300}) + "\n")  # context is 256
     assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "300 tokens", "context")
 
 
-def test_token_id_outside_vocabulary(tiny_ckpt, tmp_path):
+def test_token_id_outside_vocabulary(tiny_ckpt, tmp_path, specmoe):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": [5, 999]}) + "\n")
     assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path), "999", "vocabulary")
 
 
-def test_bad_device_memory_size(tiny_ckpt, ids_file):
+def test_bad_device_memory_size(tiny_ckpt, ids_file, specmoe):
     assert_one_line_error(
         specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, "--device-memory", "lots"), "512MiB"
     )
 
 
-def test_unknown_subcommand():
+def test_unknown_subcommand(specmoe):
     assert_one_line_error(specmoe("frobnicate"), "invalid choice")
 
 
-def test_budget_too_small_for_the_policy_names_the_smallest_that_works(tiny_ckpt, ids_file):
+def test_the_installed_command_exits_with_status_2_and_one_line():
+    proc = subprocess.run([sys.executable, "-m", "specmoe.cli", "generate", "--max-tokens", "0", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert_one_line_error((proc.returncode, proc.stdout, proc.stderr), "max_tokens")
+
+
+def test_budget_too_small_for_the_policy_names_the_smallest_that_works(tiny_ckpt, ids_file, specmoe):
     assert_one_line_error(
         specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", ids_file, "--policy", "caching",
                 "--offload", "host", "--device-memory", "60KiB", "--max-model-len", "32", "--batch-size", "1"),
@@ -136,7 +144,7 @@ def test_budget_too_small_for_the_policy_names_the_smallest_that_works(tiny_ckpt
     )
 
 
-def test_a_prompts_file_that_is_not_utf8_names_the_line_and_the_fix(tiny_ckpt, tmp_path):
+def test_a_prompts_file_that_is_not_utf8_names_the_line_and_the_fix(tiny_ckpt, tmp_path, specmoe):
     path = tmp_path / "p.txt"
     path.write_bytes(b"fine\nlatin-1: caf\xe9\n")
     assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path),

@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from factories import run_cli
 
 RUN = ["--policy", "ondemand", "--offload", "disk", "--device-memory", "30%", "--max-tokens", "2",
        "--max-model-len", "16", "--device", "cpu"]
@@ -58,11 +59,12 @@ def in_small_tmpfs(mount, command: list[str], size: str = "64k", read_only: bool
     return proc, listing
 
 
-def test_an_offload_dir_through_a_regular_file_is_one_line(tiny_ckpt, ids_file, tmp_path):
+def test_an_offload_dir_through_a_regular_file_is_one_line(tiny_ckpt, ids_file, tmp_path, capsys):
     (tmp_path / "file").write_text("not a directory")
-    proc = subprocess.run(generate_command(tiny_ckpt("mixtral"), ids_file, tmp_path / "file" / "experts"),
-                          capture_output=True, text=True, timeout=180)
-    assert_one_line_failure(proc, "not a directory", "--offload-dir", str(tmp_path / "file"))
+    argv = generate_command(tiny_ckpt("mixtral"), ids_file, tmp_path / "file" / "experts")[3:]  # in-process
+    status, _, err = run_cli(capsys, *argv)
+    assert_one_line_failure(subprocess.CompletedProcess(argv, status, "", err),
+                            "not a directory", "--offload-dir", str(tmp_path / "file"))
 
 
 def test_a_read_only_offload_dir_is_one_line(tiny_ckpt, ids_file, tmp_path):

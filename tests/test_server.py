@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 from factories import make_checkpoint  # noqa: E402
-from servers import WORDS, ServeProcess, write_tokenizer  # noqa: E402
+from serving import WORDS, ServeProcess, serve_in_process, write_tokenizer  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 
@@ -313,29 +313,14 @@ def test_openai_client_raises_on_a_bad_key(server):
 def spec_server(model_dir, offline, tmp_path_factory):
     """The app over a `specmoe`-policy engine (experts offloaded to host memory, half of
     them fit on the device), served by uvicorn on a thread of this process."""
-    import uvicorn
-
-    from specmoe.server.app import create_app
-    from specmoe.server.command import bind
-
     batch, max_len = 8, offline.engine.max_model_len
     e = offline.engine
     experts = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
     budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * batch * max_len + 0.5 * experts)
     llm = LLM(model=str(model_dir), device="cpu", policy="specmoe", offload="host", device_memory=budget,
               max_batch_size=batch, gamma=3)
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm.engine, "tiny-mixtral"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    sock.close()
+    with serve_in_process(llm.engine, "tiny-mixtral") as url:
+        yield url
     llm.close()
 
 

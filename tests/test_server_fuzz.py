@@ -23,7 +23,7 @@ pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schema_strategies import ANY_JSON, from_schema  # noqa: E402
-from servers import ServeProcess, served_checkpoint  # noqa: E402
+from serving import ServeProcess, served_checkpoint  # noqa: E402
 
 from specmoe.server import openapi  # noqa: E402
 from specmoe.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS  # noqa: E402

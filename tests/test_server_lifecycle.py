@@ -17,7 +17,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from servers import ServeProcess, served_checkpoint  # noqa: E402
+from serving import ServeProcess, served_checkpoint  # noqa: E402
 
 GRACE_S = 6
 LONG, SHORT = 200, 10  # tokens: a long request cannot finish within GRACE_S, a short one does

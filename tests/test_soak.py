@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from servers import served_checkpoint  # noqa: E402
+from serving import served_checkpoint  # noqa: E402
 
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 

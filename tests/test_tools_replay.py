@@ -59,8 +59,7 @@ def test_replay_reports_every_policy_from_a_specmoe_trace(traces, capsys):
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["batch_size"] == 4 and r["layer_s"] > 0 and r["steps_timed"] >= 1
     assert recs["specmoe"]["source"] == "exact" and recs["ondemand"]["source"] == "derived"
-    # measured by the transfer engine during the draft passes: drafting moves no expert bytes, verifying does
-    assert recs["specmoe"]["draft_transfer_bytes"] == 0 < recs["specmoe"]["transfer_bytes_per_step"]
+    assert recs["specmoe"]["transfer_bytes_per_step"] > 0
     assert 1.0 <= recs["specmoe"]["tokens_per_step"] <= 4.0
     assert all(recs[p]["tokens_per_step"] == 1.0 for p in ("ondemand", "overlap", "caching"))
     assert recs["ondemand"]["transfer_bytes_per_token"] >= recs["caching"]["transfer_bytes_per_token"]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from specmoe.base.errors import SpecMoEError
-from specmoe.base.units import format_bytes, parse_batch_sizes, parse_rate, parse_size
+from specmoe.base.units import format_bytes, format_size_at_least, parse_batch_sizes, parse_rate, parse_size
 from specmoe.cli import main
 
 
@@ -52,3 +52,14 @@ def test_simulate_info_and_generate_read_24G_as_the_same_bytes(capsys):
                  "--device", "cpu", "--json"]) == 0
     generated = json.loads(capsys.readouterr().out)["stats"]["device_memory"]
     assert simulated == info == generated == 24 * 2**30
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 1_300_234, 1_300_235, 10 << 20, (999 << 20) + 1, 90 << 30,
+                               353_152, 7_777_777_777])
+def test_a_size_named_as_at_least_reads_back_at_least_and_one_step_less_reads_below(n):
+    text = format_size_at_least(n)
+    assert parse_size(text) >= n
+    number, unit = text.split()
+    decimals = len(number.partition(".")[2])
+    less = float(number) - 10 ** -decimals
+    assert less <= 0 or parse_size(f"{less:.{decimals}f} {unit}") < n

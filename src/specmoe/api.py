@@ -15,6 +15,7 @@ from .base.config import EngineConfig
 from .base.errors import SpecMoEError
 from .base.paths import default_model_dir
 from .engine.engine import Engine
+from .engine.logprobs import TokenLogprobs
 from .engine.sampling import SamplingParams
 from .engine.stats import RunCounters, summarize
 
@@ -25,6 +26,15 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    # with SamplingParams(logprobs=k): one per generated token
+    logprobs: list[TokenLogprobs] | None = None
+    # with SamplingParams(prompt_logprobs=k): one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @classmethod
+    def of(cls, seq) -> RequestOutput:
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        return cls(seq.prompt_ids, seq.output_ids, seq.text, seq.finish_reason, logprobs, seq.prompt_logprobs)
 
 
 class LLM:
@@ -86,26 +96,30 @@ class LLM:
             device_memory=engine.budget.limit,
         )
         learn_from_run(engine, self.last_stats)
-        return [RequestOutput(s.prompt_ids, s.output_ids, s.text, s.finish_reason) for s in seqs]
+        return [RequestOutput.of(s) for s in seqs]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> RequestOutput:
         if self.tokenizer is None:
             raise SpecMoEError(f"{self.model_dir} has no tokenizer; chat needs one")
         return self.generate([self.tokenizer.apply_chat_template(messages)], sampling_params)[0]
 
-    @torch.inference_mode()
-    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits [len_i, V] at every position of each prompt, in one batched forward."""
-        engine = self.engine
-        ids = [engine.encode(p) for p in prompts]
-        slots = [engine.cache.allocate() for _ in ids]
-        try:
-            with engine.pass_scope("prefill") as experts:
-                logits = engine.forward_logits(experts, slots, ids, rows="all")
-        finally:
-            for slot in slots:
-                engine.cache.free(slot)
-        return list(torch.split(logits, [len(i) for i in ids]))
+    def score(self, prompts) -> list[torch.Tensor]:
+        """Log-probabilities [len_i, V] over the whole vocabulary at every position of each
+        prompt (row j predicts the token after position j), from the engine's batched
+        prefill like any request. For large vocabularies ask `generate` for what you need
+        (`prompt_logprobs=k`, `max_tokens=0`) instead."""
+        params = SamplingParams(max_tokens=1, prompt_logprobs=-1, logprobs=-1, ignore_eos=True)
+        return [_dense(out.prompt_logprobs[1:] + out.logprobs[:1], self.config.vocab_size)
+                for out in self.generate(prompts, params)]
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _dense(positions: list[TokenLogprobs], vocab_size: int) -> torch.Tensor:
+    """[len, V] from positions that each list the whole vocabulary."""
+    out = torch.empty(len(positions), vocab_size)
+    for row, position in zip(out, positions):
+        ids, values = zip(*position.top)
+        row[list(ids)] = torch.tensor(values)
+    return out

@@ -24,7 +24,7 @@ from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
 from ..costmodel.shapes import shape_of
-from ..experts.quant import expert_nbytes
+from ..experts.quant import draft_copy_bytes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from . import history, speeds
@@ -149,7 +149,8 @@ def _quantized_draft(runtime) -> str | None:
     c, budget = runtime.config, runtime.budget
     free = budget.available() if budget.limit is not None else None
     for mode in ("int8", "int4"):
-        need = expert_nbytes(c.hidden_size, c.expert_intermediate_size, mode) * len(runtime.expert_keys)
+        copy, scratch = draft_copy_bytes(c.hidden_size, c.expert_intermediate_size, mode, runtime.device, runtime.dtype)
+        need = copy * len(runtime.expert_keys) + scratch
         if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
             return mode
     return None

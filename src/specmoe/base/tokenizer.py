@@ -30,14 +30,28 @@ class Tokenizer:
     def from_dir(cls, model_dir: Path) -> Tokenizer | None:
         return cls(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_id):
+    LOOKBACK = 4  # tokens of context that settle a token's text (a leading space, merged bytes)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False`: the text's own tokens only (no BOS)."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, context: list[int], token: int) -> str:
+        """The text `token` adds after `context`, special tokens spelled out (a token's
+        text alone may lack the space or the bytes its neighbours give it)."""
+        window = list(context[-self.LOOKBACK:])
+        before = self._tok.decode(window, skip_special_tokens=False)
+        return self._tok.decode(window + [token], skip_special_tokens=False)[len(before):]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.chat_template:

@@ -66,6 +66,25 @@ def format_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def format_size_at_least(n: int) -> str:
+    """The smallest size with three significant digits, in the unit format_bytes would
+    use, that parse_size reads back as at least `n` bytes: 1_300_235 -> '1.25 MiB'. For
+    errors that name a budget that works: rounding to nearest could name one that fails."""
+    scale, unit = 1, "B"
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if n < scale * 1024:
+            break
+        scale, unit = scale * 1024, name
+    if unit == "B":
+        return f"{n} B"
+    decimals = 2 if n < 10 * scale else 1 if n < 100 * scale else 0
+    step = 10 ** -decimals
+    value = math.ceil(n / scale / step) * step
+    while parse_size(f"{value:.{decimals}f} {unit}") < n:  # float rounding of value * scale
+        value += step
+    return f"{value:.{decimals}f} {unit}"
+
+
 def format_rate(bytes_per_s: float) -> str:
     return f"{format_bytes(bytes_per_s)}/s"
 

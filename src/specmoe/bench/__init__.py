@@ -10,5 +10,7 @@ Modules: `command` (the CLI and its flags), `suite` (one run: grid, anchors, abl
 the JSON document), `grid` (prompts, the budget rule, interleaved timing, medians, the
 token-identity check), `runners` (one object per thing timed), `anchors` (external
 systems), `ablation` (variant sets), `report` (progress, tables, markdown), `plot`,
-`machine`.
+`machine`, `validate` (the performance model against a run's traces), `sections`
+(BENCHMARKS.md as data: each section's commands and how it is rendered from their saved
+JSON; `specmoe bench --report`) and `tables` (the renderers of those sections).
 """

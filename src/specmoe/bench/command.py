@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ..base.prompts import read_prompts_file
 from ..base.units import parse_batch_sizes, parse_rate, parse_size
 from ..flags import add_model_args
 from ..tools.info import model_info
-from . import report
+from . import report, sections
 from .ablation import parse_ablations
 from .anchors import ANCHORS
 from .grid import EXPERT_FRACTION, encode_prompts
@@ -66,6 +67,8 @@ def register(subparsers) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG: throughput, bytes moved per token, tokens per step vs gamma")
     p.add_argument("--markdown", metavar="FILE", help="write or update this run's section of FILE (e.g. BENCHMARKS.md)")
     p.add_argument("--markdown-section", help="section name in --markdown FILE (default: from tier, bandwidth and --quick)")
+    p.add_argument("--report", metavar="DIR", help="run nothing: rewrite every BENCHMARKS.md section in --markdown FILE "
+                   "from the JSON that benchmarks/run_all.py saved in DIR (make bench-report)")
     p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute | draft-quant, "
                    "comma-separated, or all")
     p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
@@ -226,7 +229,8 @@ def settings_from_args(args) -> Settings:
 
 
 def run_bench(args) -> int:
-
+    if args.report:
+        return write_report(args)
     settings = settings_from_args(args)  # every flag is checked before anything runs
     before = torch.get_num_threads()
     try:
@@ -241,8 +245,10 @@ def _run_bench(args, s: Settings) -> int:
     prompts = encode_prompts(read_prompts_file(s.prompts_file), Path(s.model_dir), cfg.vocab_size)
     info = model_info(s.model_dir, dtype=s.dtype, device=s.device)
     suite = Suite(s, cfg, info, prompts, machine_info())
+    start = time.perf_counter()
     with report.Progress(total=suite.planned_runs()) as progress:
         doc = suite.run(progress)
+    doc["wall_s"] = time.perf_counter() - start
     report.print_console(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
@@ -256,6 +262,19 @@ def _run_bench(args, s: Settings) -> int:
         report.update_markdown(Path(args.markdown), section, report.markdown(doc, section))
         print(f"specmoe bench: updated section {section!r} of {args.markdown}", file=sys.stderr)
     return 1 if doc["outputs_check"]["mismatches"] else 0
+
+
+def write_report(args) -> int:
+    results = Path(args.report)
+    if not args.markdown:
+        raise SpecMoEError("--report DIR rewrites a markdown file: add --markdown BENCHMARKS.md")
+    if not results.is_dir():
+        raise SpecMoEError(f"--report {results}: no such directory; benchmarks/run_all.py --results DIR writes it")
+    measured = sections.write_report(results, Path(args.markdown))
+    missing = [s.name for s in sections.SECTIONS if s.name not in measured]
+    print(f"specmoe bench: rewrote {args.markdown} from {results}: {len(measured)} sections with figures"
+          + (f"; not measured yet: {', '.join(missing)}" if missing else ""), file=sys.stderr)
+    return 0
 
 
 def _json_default(obj):

@@ -156,6 +156,11 @@ def summarize(m: Measurement) -> dict:
             continue
         over[key] = {"min": min(values), "median": statistics.median_low(values), "max": max(values)}
     record["over_repeats"] = over
+    direct = [r.get("offload_direct") for r in m.rounds]  # every round, warm-up included
+    if any(d is not None for d in direct):
+        record["offload_direct"] = all(direct)
+        record["offload_direct_reason"] = next((r.get("offload_direct_reason") for r in m.rounds
+                                                if not r.get("offload_direct")), "O_DIRECT")
     return record
 
 

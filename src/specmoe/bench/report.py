@@ -140,22 +140,23 @@ def anchor_rows(anchors: list[dict]) -> list[list[str]]:
     return rows
 
 
-ABLATION_HEADER = ["variant", "N", "gamma", "tok/s", "× ondemand", "tok/step", "accept", "MB/token", "= ondemand"]
+ABLATION_HEADER = ["variant", "N", "gamma", "tok/s", "× ondemand", "tok/step", "accept", "agree", "MB/token",
+                   "= ondemand"]
 
 
 def ablation_rows(entry: dict) -> list[list[str]]:
     rows = []
     for r in entry["records"]:
         if r.get("skipped"):
-            rows.append([r["label"], "–", "–", f"skipped: {r['skipped']}"] + ["–"] * 5)
+            rows.append([r["label"], "–", "–", f"skipped: {r['skipped']}"] + ["–"] * 6)
             continue
-        acc = r.get("acceptance_rate")
+        acc, agree = r.get("acceptance_rate"), r.get("draft_target_agreement")
         label = r["label"] + (" (budget raised)" if r.get("budget_raised_to_fit_draft_experts") else "")
         rows.append([
             label, _num(r.get("draft_experts"), "{}"), _num(r.get("gamma"), "{}"), _spread(r, "decode_tokens_per_s"),
             _ratio(r.get("ratio_vs_ondemand")), _num(r.get("tokens_per_step"), "{:.2f}"),
-            "–" if acc is None else f"{acc:.0%}", _num(r.get("transfer_bytes_per_token", 0) / 1e6, "{:.2f}"),
-            _same(r.get("outputs_match_ondemand")),
+            "–" if acc is None else f"{acc:.0%}", "–" if agree is None else f"{agree:.2f}",
+            _num(r.get("transfer_bytes_per_token", 0) / 1e6, "{:.2f}"), _same(r.get("outputs_match_ondemand")),
         ])
     return rows
 
@@ -193,6 +194,20 @@ def outputs_line(doc: dict) -> str:
             f"({chk['comparisons']} comparisons of token_ids_sha256, warm-up rounds included)")
 
 
+def direct_io_line(doc: dict) -> str | None:
+    """Whether every disk-tier run read with the page cache bypassed (per run, from its stats)."""
+    runs = [r for r in doc["records"] + [r for e in doc["ablations"] for r in e["records"]]
+            if r.get("offload_direct") is not None]
+    if not runs:
+        return None
+    buffered = [r for r in runs if not r["offload_direct"]]
+    if not buffered:
+        return f"disk reads: page cache bypassed (O_DIRECT) in all {len(runs)} disk-tier runs"
+    why = sorted({r.get("offload_direct_reason") or "?" for r in buffered})
+    return (f"disk reads: BUFFERED in {len(buffered)} of {len(runs)} disk-tier runs ({'; '.join(why)}): "
+            "bytes may have come from the page cache, not the disk")
+
+
 def config_lines(doc: dict) -> list[str]:
     c = doc["config"]
     m = c["model"]
@@ -205,6 +220,7 @@ def config_lines(doc: dict) -> list[str]:
         f"prompts: {c['prompts_file']} (first 2 x B of {c['num_prompts_in_file']}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
         f"tier: {tier}; gamma {c['gamma']}; {c['repeats']} repeat(s) after 1 warm-up, interleaved",
         f"budget: {c['budget_rule']}" + (f" ({budgets})" if budgets else ""),
+        *filter(None, [direct_io_line(doc)]),
         f"command: {c['command']}",
     ]
 
@@ -255,7 +271,7 @@ def print_console(doc: dict, file=None) -> None:
 # --- markdown ------------------------------------------------------------------------------------------
 
 
-def _md_table(header, rows) -> str:
+def md_table(header, rows) -> str:
     esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(map(esc, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(map(esc, r)) + " |" for r in rows]
@@ -273,14 +289,17 @@ def default_section(config: dict) -> str:
     return name
 
 
-def markdown(doc: dict, section: str) -> str:
+def markdown(doc: dict, section: str, heading: bool = True) -> str:
+    """The run as a markdown section (`heading=False`: without its title and command, for
+    a BENCHMARKS.md section that states them itself)."""
     c = doc["config"]
-    out = [f"## `specmoe bench`: {section}", "",
-           f"Regenerate: `{c['command']}`", ""]
+    out = [f"## `specmoe bench`: {section}", "", f"Regenerate: `{c['command']}`", ""] if heading else []
     out += [f"- {line}" for line in config_lines(doc) if not line.startswith("command:")]
+    if doc.get("wall_s"):
+        out.append(f"- wall time of the whole run: {doc['wall_s']:.0f} s")
     out.append("")
     if doc["records"]:
-        out += ["### Policies x batch sizes", "", _md_table(MAIN_HEADER, main_rows(doc["records"])), "", LEGEND + ".", ""]
+        out += ["### Policies x batch sizes", "", md_table(MAIN_HEADER, main_rows(doc["records"])), "", LEGEND + ".", ""]
         ratios = ratio_lines(doc["records"])
         if ratios:
             out += ["Ratios (decode tokens/s, measured in this run):", ""] + [f"- {r}" for r in ratios] + [""]
@@ -290,11 +309,11 @@ def markdown(doc: dict, section: str) -> str:
         out += ["### Anchors", "", "Every weight resident. × resident: ratio to specmoe's resident policy; "
                 "tokens = resident: share of generated tokens equal to resident's.", ""]
         if rows:
-            out += [_md_table(ANCHOR_HEADER, rows), ""]
+            out += [md_table(ANCHOR_HEADER, rows), ""]
         out += [f"- {s}" for s in skipped] + ([""] if skipped else [])
     for entry in doc["ablations"]:
         out += [f"### Ablation: {entry['ablation']} (B = {entry['batch_size']})", "", entry["what"] + ".", "",
-                _md_table(ABLATION_HEADER, ablation_rows(entry)), ""]
+                md_table(ABLATION_HEADER, ablation_rows(entry)), ""]
     out += [f"- note: {n}" for n in doc.get("notes", [])]
     if doc.get("notes"):
         out.append("")

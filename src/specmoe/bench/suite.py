@@ -143,11 +143,16 @@ class Suite:
             "anchors": anchor_records + self.anchor_skips,
             "ablations": ablations,
             "outputs_check": {"reference": " and ".join(
-                                  (["resident (grid)"] if s.grid else []) + (["ondemand (ablations)"] if s.ablations else [])),
+                                  ([self._grid_reference()] if s.grid else []) + (["ondemand (ablations)"] if s.ablations else [])),
                               "comparisons": checked,
                               "mismatches": mismatches},
             "notes": self.notes,
         }
+
+    def _grid_reference(self) -> str:
+        if "resident" in self.s.policies:
+            return "resident (grid)"
+        return f"{self.s.policies[0]} (grid; resident did not run)"
 
     def _grid_group(self, batch: int, progress):
         s = self.s

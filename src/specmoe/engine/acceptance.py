@@ -28,20 +28,37 @@ def accept_greedy(draft_tokens: list[int], target_argmax: list[int]) -> tuple[in
     return accepted, target_argmax[accepted]
 
 
+class TorchCoins:
+    """The random choices of speculative sampling, drawn from a torch generator.
+
+    `accept_sampled` makes every random choice through this small interface (a biased
+    coin, a draw from a distribution), so that a test can enumerate all outcomes with
+    their exact probabilities instead of sampling them."""
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+
+    def accept(self, probability: float) -> bool:
+        return float(torch.rand((), generator=self.generator)) < probability
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
 def accept_sampled(
-    draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+    draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, coins: TorchCoins
 ) -> tuple[int, int]:
-    """draft_probs [g, V] (q), target_probs [g + 1, V] (p), on the CPU.
+    """draft_probs [g, V] (q), target_probs [g + 1, V] (p), on the CPU; row k of both is
+    the distribution of the token after the committed tokens and the first k drafts.
     Returns (number of drafts accepted, the next token)."""
     for k, token in enumerate(draft_tokens):
         p, q = float(target_probs[k, token]), float(draft_probs[k, token])
-        u = float(torch.rand((), generator=generator))
-        if q > 0 and u < min(1.0, p / q):
+        if q > 0 and coins.accept(min(1.0, p / q)):
             continue
         residual = torch.clamp(target_probs[k] - draft_probs[k], min=0.0)
         total = float(residual.sum())
         if total <= 0:  # p == q: nothing to correct (only reachable through rounding)
             residual, total = target_probs[k], 1.0
-        return k, int(torch.multinomial(residual / total, 1, generator=generator))
+        return k, coins.draw(residual / total)
     g = len(draft_tokens)
-    return g, int(torch.multinomial(target_probs[g], 1, generator=generator))
+    return g, coins.draw(target_probs[g])

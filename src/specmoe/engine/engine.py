@@ -23,7 +23,8 @@ from ..base.errors import SpecMoEError
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
-from ..policies import Runtime, make_policy
+from ..policies import Runtime, make_policy, min_device_bytes
+from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -51,6 +52,16 @@ def resolve_dtype(name: str, ckpt: Checkpoint, device: torch.device) -> torch.dt
     return torch.float32 if device.type == "cpu" else ckpt.torch_dtype()
 
 
+def selected_rows(counts, every: list[bool]) -> list[int]:
+    """Rows of a step's tokens (`counts` per sequence, in order): all of a sequence's rows
+    where `every` says so, else only its last."""
+    rows, start = [], 0
+    for n, all_rows in zip(counts, every):
+        rows.extend(range(start, start + n) if all_rows else [start + n - 1])
+        start += n
+    return rows
+
+
 class Engine:
     """`choose(runtime) -> (options, description)` resolves `policy="auto"`: it is given
     the runtime a policy would be built with (autotune/choose.py; the API passes it in)."""
@@ -71,10 +82,13 @@ class Engine:
         )
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype)
         kv_bytes = self._kv_bytes_per_token() * options.max_batch_size * self.max_model_len
-        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes))
+        expert_bytes = self.config.expert_params * torch.tensor([], dtype=self.dtype).element_size()
+        # the smallest budget this configuration runs in: every error about the budget names it
+        minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
+        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
-        self.cache = self.model.new_cache(options.max_batch_size)
+        self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
         self.budget.reserve(
@@ -194,15 +208,26 @@ class Engine:
             chunks[-1].append(seq)
         with self.pass_scope("prefill") as experts:
             for chunk in chunks:
-                logits = self.forward_logits(experts, [s.slot for s in chunk], [s.prompt_ids for s in chunk])
-                for seq, row in zip(chunk, logits):
-                    self.append_token(seq, sample_token(row, seq.params, seq.generator))
+                # the LM head runs on every prompt position only for sequences that score their prompt
+                scored = [s.params.prompt_logprobs is not None for s in chunk]
+                logits = self.forward_logits(experts, [s.slot for s in chunk], [s.prompt_ids for s in chunk],
+                                             rows=scored)
+                sizes = [len(s.prompt_ids) if every else 1 for s, every in zip(chunk, scored)]
+                for seq, rows in zip(chunk, torch.split(logits, sizes)):
+                    if seq.params.prompt_logprobs is not None:
+                        # row i predicts prompt token i + 1; the first prompt token has no prediction
+                        seq.prompt_logprobs = [None] + token_logprobs(rows[:-1], seq.prompt_ids[1:],
+                                                                      seq.params.prompt_logprobs)
+                    if seq.remaining == 0:  # max_tokens=0: a scoring request ends with its prefill
+                        seq.finish_reason = "length"
+                    else:
+                        self.append_tokens(seq, [sample_token(rows[-1], seq.params, seq.generator)], rows[-1:])
 
     def _decode(self, seqs: list[Sequence]) -> int:
         with self.pass_scope("decode") as experts:
             logits = self.forward_logits(experts, [s.slot for s in seqs], [[s.pending] for s in seqs])
         for seq, row in zip(seqs, logits):
-            self.append_token(seq, sample_token(row, seq.params, seq.generator))
+            self.append_tokens(seq, [sample_token(row, seq.params, seq.generator)], row[None])
         return len(seqs)
 
     @contextmanager
@@ -215,8 +240,9 @@ class Engine:
 
     def forward_logits(self, experts, slots, token_lists, rows="last") -> torch.Tensor:
         """Feed each slot its new tokens through the model, MoE blocks run by `experts`
-        (from `pass_scope`); logits [B, V] of each last token ('last') or [T, V] of every
-        new token ('all')."""
+        (from `pass_scope`). Logits of each sequence's last token ('last': [B, V]), of every
+        new token ('all': [T, V]), or, given one boolean per sequence, of every new token of
+        the sequences marked True and the last token of the others, in order."""
         starts = [self.cache.lengths[slot] for slot in slots]
         batch = self.model.step_batch(slots, starts, [len(t) for t in token_lists])
         tokens = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=self.device)
@@ -227,9 +253,23 @@ class Engine:
             self.tracer.end(len(slots), batch.num_tokens)
         if rows == "last":
             hidden = hidden[batch.last_token_rows()]
+        elif rows != "all":
+            hidden = hidden[selected_rows(batch.counts, rows)]
         return self.model.logits(hidden)
 
     # --- finishing -------------------------------------------------------------------------
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int:
+        """Append generated tokens in order until the sequence finishes; return how many.
+        `logits` [len(tokens), V] are the full model's rows that predicted them (for `logprobs`)."""
+        appended = 0
+        for token in tokens:
+            appended += 1
+            if self.append_token(seq, token):
+                break
+        if seq.params.logprobs is not None:
+            seq.logprobs.extend(token_logprobs(logits[:appended], tokens[:appended], seq.params.logprobs))
+        return appended
 
     def append_token(self, seq: Sequence, token: int) -> bool:
         """Append a generated token; return True when the sequence has finished."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base.errors import SpecMoEError
+from .logprobs import check_k
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,23 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # log-probabilities under the full model (engine/logprobs.py): None = off; k = the
+    # token's own and the k most likely (0..20); -1 = the whole vocabulary
+    logprobs: int | None = None  # of each generated token
+    prompt_logprobs: int | None = None  # of each prompt token but the first
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise SpecMoEError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
+            raise SpecMoEError(f"max_tokens must be an integer >= 1 (0 only to score a prompt), got {self.max_tokens!r}")
+        check_k("logprobs", self.logprobs)
+        check_k("prompt_logprobs", self.prompt_logprobs)
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise SpecMoEError("max_tokens=0 generates nothing: it is only for scoring a prompt; "
+                               "set prompt_logprobs (e.g. 0), or ask for at least 1 token")
         t = self.temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or math.isnan(t) or t < 0 or math.isinf(t):
             raise SpecMoEError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import TokenLogprobs
 from .sampling import SamplingParams
 
 
@@ -29,6 +30,8 @@ class Sequence:
     first_token_s: float | None = None
     last_token_s: float | None = None
     generator: torch.Generator | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None, one per later prompt token], if asked for
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .acceptance import accept_greedy, accept_sampled
+from .acceptance import TorchCoins, accept_greedy, accept_sampled
 from .gamma import GammaTuner
 from .sampling import target_probs
 
@@ -53,16 +53,14 @@ class SpeculativeDecoder:
                 counters.agreed += sum(d == t for d, t in zip(draft, targets))  # teacher-forced agreement
             else:
                 p = target_probs(rows, seq.params).cpu()
-                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, seq.generator)
+                accepted, nxt = accept_sampled(draft, torch.stack(q) if q else p[:0], p, TorchCoins(seq.generator))
             cache.truncate(seq.slot, start + accepted + 1)
             counters.drafted += len(draft)
             counters.accepted += accepted
             counters.rejected += accepted < len(draft)
             accepted_lengths.append(accepted)
-            for token in draft[:accepted] + [nxt]:
-                produced += 1
-                if engine.append_token(seq, token):
-                    break
+            # the verification rows, never the draft's, give the tokens' log-probabilities
+            produced += engine.append_tokens(seq, draft[:accepted] + [nxt], rows)
         if engine.tracer:
             engine.tracer.flush(accepted_lengths)
         t2 = time.perf_counter()

@@ -76,6 +76,9 @@ def summarize(
         "verify_s": counters.verify_s,
         "transfer_bytes": transfer,
         "transfer_bytes_per_token": transfer / generated if generated else 0.0,
+        # evaluation runs score prompts (max_tokens=0): requests are their unit of work
+        "requests_per_s": len(seqs) / wall_s if wall_s else 0.0,
+        "transfer_bytes_per_request": transfer / len(seqs) if seqs else 0.0,
         "device_memory": device_memory,  # the budget in bytes (None: no limit)
         "device_peak_bytes": device_peak_bytes,
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),

@@ -84,10 +84,10 @@ class DevicePool:
                  policy_name: str, min_slots: int):
         expert_bytes = numel * torch.tensor([], dtype=dtype).element_size()
         if num_slots < min_slots:
-            need = budget.used + min_slots * expert_bytes
             raise SpecMoEError(
                 f"device memory {format_bytes(budget.limit or 0)} leaves room for {num_slots} experts; policy "
-                f"{policy_name} needs {min_slots}: raise --device-memory to at least {format_bytes(need)}"
+                f"{policy_name} needs {min_slots}: raise --device-memory to at least "
+                f"{budget.smallest_that_works(budget.used + min_slots * expert_bytes)}"
             )
         budget.reserve("expert pool", num_slots * expert_bytes)
         self.table = SlotTable(num_slots)

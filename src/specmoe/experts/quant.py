@@ -274,18 +274,22 @@ def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert) -> torch
     return qexpert.down.linear(F.silu(gate) * up)
 
 
-def expert_nbytes(hidden: int, inter: int, mode: str) -> int:
-    """Device bytes of one quantized expert (data + scales), without building it."""
+def draft_copy_bytes(hidden: int, inter: int, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
+    """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
+    without building it: in the layout `device_layout` gives it on `device` (None: the
+    portable layout, as stored), computing in `dtype`."""
     if mode == "none":
-        return 0
-    bits = BITS[mode]
-    scale_size = torch.tensor([], dtype=SCALE_DTYPE).element_size()
-
-    def matrix(out: int, in_features: int) -> int:
-        data = packed_size(out * in_features, bits)
-        return data + out * (in_features // group_size(in_features)) * scale_size
-
-    return matrix(2 * inter, hidden) + matrix(hidden, inter)
+        return 0, 0
+    bits, elem = BITS[mode], torch.tensor([], dtype=dtype).element_size()
+    copy = scratch = 0
+    for out, in_features in ((2 * inter, hidden), (hidden, inter)):
+        groups = in_features // group_size(in_features)
+        if device is not None and int4_kernel_fits(device, bits, out, group_size(in_features)):
+            copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
+        else:
+            copy += packed_size(out * in_features, bits) + out * groups * torch.tensor([], dtype=SCALE_DTYPE).element_size()
+            scratch = max(scratch, out * in_features * elem)
+    return copy, scratch
 
 
 class QuantizedExperts:
@@ -426,7 +430,7 @@ def quant_error_report(ckpt: Checkpoint, mode: str, inputs: dict[int, torch.Tens
             errors.append(float((yq - y).norm() / y.norm().clamp_min(1e-30)))
             dq = torch.cat([m.reshape(-1) for m in qe.dequantize(torch.float32)])
             weight_errors.append(float((dq - buf).norm() / buf.norm().clamp_min(1e-30)))
-        qbytes = expert_nbytes(hidden, inter, mode)
+        qbytes = draft_copy_bytes(hidden, inter, mode)[0]
         rows.append({
             "layer": layer,
             "mode": mode,

@@ -5,14 +5,17 @@ device is CUDA, so copies can be asynchronous).
 `disk`: all experts as aligned blobs in one file (expert_file.py: built once per
 checkpoint under a lock, checked when opened, a blob that fails its CRC32 on its first
 read rewritten from the checkpoint), read with the page cache bypassed (O_DIRECT, else
-posix_fadvise(DONTNEED)) so that the bandwidth measured is the disk's. `bandwidth` caps the read rate: an *emulation* of a slower
-link (PCIe 3, a network store), not a measurement.
+posix_fadvise(DONTNEED), with a warning) so that the bandwidth measured is the disk's.
+`bandwidth` caps the read rate: an *emulation* of a slower link (PCIe 3, a network
+store), not a measurement.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import sys
 import threading
 import time
 import zlib
@@ -23,7 +26,7 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, os_failure, warn
 from ..base.paths import offload_dir
-from .expert_file import ExpertLayout, Key, open_or_build, repair_blob
+from .expert_file import ALIGN, ExpertLayout, Key, open_or_build, repair_blob
 
 
 class ExpertStore:
@@ -110,7 +113,9 @@ class DiskStore(ExpertStore):
         self.checksums, self.built = open_or_build(self.path, self.layout, self._checkpoint_bytes)
         self.verified = [False] * len(keys)
         self.repaired = 0  # blobs that failed their checksum and were served from the checkpoint
-        self.fd, self.direct = _open_direct(self.path)
+        self.fd, self.direct, self.direct_reason = _open_direct(self.path)
+        if not self.direct:
+            _warn_buffered(self.path, self.direct_reason)
         self._buffers = threading.local()  # one aligned bounce buffer per reading thread
 
     def _checkpoint_bytes(self, key: Key) -> bytes:
@@ -129,7 +134,7 @@ class DiskStore(ExpertStore):
         buf = self._bounce()
         offset = self.layout.offset(i)
         try:
-            got = os.preadv(self.fd, [buf], offset)
+            got = self._pread(buf, offset)
         except OSError as exc:
             raise os_failure(exc, f"cannot read expert {self.keys[i]} from the expert file {self.path}",
                              "check the disk (dmesg), or pass --offload-dir DIR on another disk") from None
@@ -161,20 +166,61 @@ class DiskStore(ExpertStore):
                  f"({why or 'it still reads back wrong'}); reading it from the checkpoint")
         return memoryview(bytearray(data))
 
+    def _pread(self, buf: mmap.mmap, offset: int) -> int:
+        try:
+            return os.preadv(self.fd, [buf], offset)
+        except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            self._fall_back_to_buffered(f"O_DIRECT read refused: {exc.strerror}")
+            return os.preadv(self.fd, [buf], offset)
+
+    def _fall_back_to_buffered(self, reason: str) -> None:
+        os.close(self.fd)
+        self.fd, self.direct, self.direct_reason = os.open(self.path, os.O_RDONLY), False, reason
+        _warn_buffered(self.path, reason)
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def _open_direct(path: Path) -> tuple[int, bool]:
+def _open_direct(path: Path) -> tuple[int, bool, str]:
+    """(fd, whether reads bypass the page cache, why or why not)."""
     flag = getattr(os, "O_DIRECT", 0)
-    if flag:
+    if not flag:
+        return os.open(path, os.O_RDONLY), False, f"O_DIRECT is not available on {sys.platform}"
+    try:
+        return os.open(path, os.O_RDONLY | flag), True, "O_DIRECT"
+    except OSError as exc:  # e.g. a file system without direct I/O
+        return os.open(path, os.O_RDONLY), False, f"O_DIRECT refused: {exc.strerror}"
+
+
+def _warn_buffered(path: Path, reason: str) -> None:
+    warn(f"{path.parent} does not bypass the page cache ({reason}); expert reads are buffered and dropped "
+         "with posix_fadvise(DONTNEED), so repeated reads may come from memory, not the disk: put "
+         "--offload-dir on a file system with direct I/O")
+
+
+def direct_io_support(directory: Path) -> tuple[bool, str]:
+    """Whether files in `directory` can be read with the page cache bypassed, and why
+    (for `specmoe info`): opens and reads a small file there the way the store does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".direct-io-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(bytes(ALIGN))
+        fd, direct, reason = _open_direct(probe)
         try:
-            return os.open(path, os.O_RDONLY | flag), True
-        except OSError:
-            pass  # e.g. tmpfs does not support O_DIRECT
-    return os.open(path, os.O_RDONLY), False
+            if direct:
+                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
+        except OSError as exc:
+            direct, reason = False, f"O_DIRECT read refused: {exc.strerror}"
+        finally:
+            os.close(fd)
+        return direct, reason
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def open_store(ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, device: torch.device, tier: str,

@@ -79,18 +79,22 @@ class StepBatch:
 
 
 class KVCache:
-    """K and V of every layer: [slots, kv_heads, capacity, head_dim], capacity grown on demand."""
+    """K and V of every layer: [slots, kv_heads, max_len, head_dim], allocated once at its
+    full size. The engine charges the device budget for exactly that (every slot at
+    max_len positions), so the cache never holds more than the budget says, not even
+    while growing."""
 
-    def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device, initial_capacity=128):
+    def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, max_len, dtype, device):
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.max_len, self.dtype, self.device = max_len, dtype, device
-        self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        # zeros, not empty: padded rows of a batch read positions no token wrote, and
+        # garbage there could be NaN, which a zero attention weight does not cancel
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
-        self._grow(min(initial_capacity, max_len))
 
     # --- slots: plain bookkeeping -------------------------------------------------------
 
@@ -126,24 +130,14 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_token() * self.num_slots * self.capacity
+        return self.bytes_per_token() * self.num_slots * self.max_len
 
     def reserve(self, length: int) -> None:
         if length > self.max_len:
             raise SpecMoEError(
-                f"a sequence needs {length} positions but the model's context is {self.max_len}: "
-                "shorten the prompt or lower --max-tokens"
+                f"a sequence needs {length} positions but the context holds {self.max_len}: "
+                "shorten the prompt, lower --max-tokens or raise --max-model-len"
             )
-        if length > self.capacity:
-            self._grow(min(self.max_len, max(length, 2 * self.capacity)))
-
-    def _grow(self, capacity: int) -> None:
-        shape = (self.num_slots, self.num_kv_heads, capacity, self.head_dim)
-        new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        for old, new in zip(self.k + self.v, new_k + new_v):
-            new[:, :, : self.capacity].copy_(old)
-        self.k, self.v, self.capacity = new_k, new_v, capacity
 
     def write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor):
         """Store the new tokens' k, v [T, kv_heads, d]; return the batch's keys and values

@@ -14,19 +14,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin of every position up to a capacity that grows on demand."""
+    """cos/sin of the positions a pass needs, computed for that pass: no table of every
+    position stays on the device outside the budget."""
 
     def __init__(self, head_dim: int, theta: float, device: torch.device):
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-        self.cos = self.sin = torch.empty(0, head_dim, device=device)
 
-    def lookup(self, positions: torch.Tensor, capacity: int, dtype: torch.dtype):
-        if capacity > self.cos.shape[0]:
-            steps = torch.arange(max(capacity, 2 * self.cos.shape[0]), dtype=torch.float32, device=self.inv_freq.device)
-            freqs = torch.outer(steps, self.inv_freq)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = torch.outer(positions.to(torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -121,11 +121,12 @@ class MoETransformer:
         self.device, self.dtype = device, dtype
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, device)
 
-    def new_cache(self, num_slots: int, initial_capacity: int = 128) -> KVCache:
+    def new_cache(self, num_slots: int, max_len: int | None = None) -> KVCache:
+        """A KV cache of `num_slots` sequences of up to `max_len` positions (default: the model's)."""
         c = self.config
         return KVCache(
-            c.num_layers, num_slots, c.num_kv_heads, c.head_dim, c.max_position_embeddings,
-            self.dtype, self.device, initial_capacity,
+            c.num_layers, num_slots, c.num_kv_heads, c.head_dim, max_len or c.max_position_embeddings,
+            self.dtype, self.device,
         )
 
     def step_batch(self, slots, starts, counts) -> StepBatch:
@@ -134,7 +135,7 @@ class MoETransformer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache, experts: ExpertBackend) -> torch.Tensor:
         cache.reserve(batch.kv_len)
-        cos, sin = self.rotary.lookup(batch.positions, batch.kv_len, self.dtype)
+        cos, sin = self.rotary.lookup(batch.positions, self.dtype)
         h = F.embedding(tokens, self.weights.embed)  # [T, D]
         for i, lw in enumerate(self.weights.layers):
             h = h + self.attention(i, lw, rms_norm(h, lw.attn_norm, self.config.rms_norm_eps), batch, cache, cos, sin)

@@ -21,6 +21,15 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
+def min_device_bytes(config, options, expert_bytes: int, device, dtype) -> int:
+    """Device bytes the policy `options.policy` needs beside weights and KV cache to run
+    at all; for `auto`, the least any offloading policy it may choose needs."""
+    if options.policy in POLICIES:
+        return POLICIES[options.policy].min_device_bytes(config, options, expert_bytes, device, dtype)
+    return min(cls.min_device_bytes(config, options, expert_bytes, device, dtype)
+               for name, cls in POLICIES.items() if name not in ("resident", "host"))
+
+
 def make_policy(runtime: Runtime) -> Policy:
     name = runtime.options.policy
     if name not in POLICIES:
@@ -28,4 +37,4 @@ def make_policy(runtime: Runtime) -> Policy:
     return POLICIES[name](runtime)
 
 
-__all__ = ["PASS_KINDS", "POLICIES", "Policy", "Runtime", "make_policy"]
+__all__ = ["PASS_KINDS", "POLICIES", "Policy", "Runtime", "make_policy", "min_device_bytes"]

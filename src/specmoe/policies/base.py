@@ -60,6 +60,11 @@ class Policy:
         """Device pool slots (experts) the policy needs to run at all."""
         return len(config.moe_layer_ids) * config.num_experts
 
+    @classmethod
+    def min_device_bytes(cls, config, options, expert_bytes: int, device, dtype) -> int:
+        """Device bytes the policy needs beside the weights and the KV cache to run at all."""
+        return cls.min_slots(config, options) * expert_bytes
+
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self.config = runtime.config

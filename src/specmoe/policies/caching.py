@@ -1,6 +1,6 @@
 """`caching`: keep the most frequently used experts of each block resident (default 10 %
 of each block, `cache_fraction`), chosen from a profiling pass over the prompts (the
-routing of the first prefill); the remaining slots are an LRU cache; misses are fetched
+routing of the first prefill pass); the remaining slots are an LRU cache; misses are fetched
 on demand."""
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ class CachingPolicy(OffloadPolicy):
             self.profile[layer] += torch.bincount(routing.ids.reshape(-1).cpu(), minlength=self.config.num_experts)
 
     def begin_pass(self, kind: str):
-        if kind != "prefill" and self.hot is None and self.profile.sum() > 0:
-            self.choose_hot_set()  # the prompts have been seen: profiling is over
+        if self.hot is None and self.profile.sum() > 0:
+            # the first prefill's prompts have been seen: profiling is over (also when the
+            # next pass is another prefill, as in scoring runs that never decode)
+            self.choose_hot_set()
         return super().begin_pass(kind)
 
     def choose_hot_set(self) -> None:

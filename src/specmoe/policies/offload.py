@@ -55,6 +55,9 @@ class OffloadPolicy(Policy):
             "cache_hit_rate": counters.hits / counters.uses if counters.uses else 1.0,
             "pool_slots": self.pool.num_slots,
             "offload": self.store.tier,
+            # whether disk reads bypass the page cache (None: the host tier has no disk)
+            "offload_direct": getattr(self.store, "direct", None),
+            "offload_direct_reason": getattr(self.store, "direct_reason", None),
             "offload_read_s": self.store.read_s,
             "host_expert_tokens": counters.host_tokens,
             "activation_bytes": counters.activation_bytes,

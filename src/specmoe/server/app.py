@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..base.errors import SpecMoEError
-from . import metrics, openapi
+from . import metrics, openapi, tokens
+from .logprobs import LogprobsWriter, merge
 from .loop import EngineLoop, RequestHandle
 from .protocol import (
     MAX_BODY_BYTES,
@@ -72,6 +73,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     app.state.engine_loop = served.loop
     add_error_handlers(app, served)
     app.include_router(v1_router(served))
+    app.include_router(tokenizer_router(served))
     add_operations_routes(app, served)
     return app
 
@@ -173,6 +175,28 @@ def v1_router(served: Served) -> APIRouter:
     return v1
 
 
+def tokenizer_router(served: Served) -> APIRouter:
+    """vLLM's /tokenizer_info, /tokenize and /detokenize (server/tokens.py), behind the API key like /v1."""
+    router = APIRouter(dependencies=[Depends(require_api_key(served.api_key))])
+    engine = served.engine
+
+    @router.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokens.tokenizer_info(engine.tokenizer, engine.max_model_len)
+
+    @router.post("/tokenize")
+    async def post_tokenize(request: Request):
+        body = await read_body(request, served.max_body_bytes)
+        return await run_in_threadpool(tokens.tokenize, body, engine.tokenizer, engine.max_model_len)
+
+    @router.post("/detokenize")
+    async def post_detokenize(request: Request):
+        body = await read_body(request, served.max_body_bytes)
+        return tokens.detokenize(body, engine.tokenizer)
+
+    return router
+
+
 # --- operations ---------------------------------------------------------------------------
 
 
@@ -246,28 +270,60 @@ async def complete(served: Served, request: Request, handle: RequestHandle, req:
             served.loop.cancel(handle)
     if client_left:
         return Response(status_code=CLIENT_CLOSED)
-    text, completion_tokens, finish_reason = result.result()  # raises an engine APIError
-    use = usage(len(handle.prompt_ids), completion_tokens)
-    return response(req.kind, rid, served.model_name, text, finish_reason, use)
+    got = result.result()  # raises an engine APIError
+    use = usage(len(handle.prompt_ids), len(got.token_ids))
+    # formatting the log-probabilities of a long echoed prompt takes a while: off the event loop
+    logprobs = await run_in_threadpool(whole_logprobs, served, req, handle, got)
+    text = echo_text(served, req, handle) + got.text if req.echo else got.text
+    return response(req.kind, rid, served.model_name, text, got.finish_reason, use, logprobs)
+
+
+def echo_text(served: Served, req: GenerateRequest, handle: RequestHandle) -> str:
+    if isinstance(req.prompt, str):
+        return req.prompt
+    tokenizer = served.engine.tokenizer
+    return tokenizer.decode(handle.prompt_ids) if tokenizer is not None else ""
+
+
+def logprobs_writer(served: Served, req: GenerateRequest, handle: RequestHandle) -> LogprobsWriter | None:
+    """None unless the request asked for logprobs; an echoed prompt's tokens are written first."""
+    if req.logprobs is None:
+        return None
+    return LogprobsWriter(served.engine.tokenizer, req.kind, context=None if req.echo else handle.prompt_ids)
+
+
+def whole_logprobs(served: Served, req: GenerateRequest, handle: RequestHandle, got: Collected) -> dict | None:
+    writer = logprobs_writer(served, req, handle)
+    if writer is None:
+        return None
+    parts = [writer.add(handle.prompt_ids, got.prompt_logprobs)] if req.echo else []
+    return merge(parts + [writer.add(got.token_ids, got.logprobs)])
 
 
 async def stream_events(served: Served, handle: RequestHandle, req: GenerateRequest, rid: str):
     """Server-sent events: a chunk per piece of text, then the finish (and usage), then [DONE]."""
     model_name = served.model_name
     settled = False  # the engine is done with the request (finished or failed)
+    writer = logprobs_writer(served, req, handle)
     try:
         if req.kind == "chat":
             yield sse(chunk("chat", rid, model_name, role=True))
         completion_tokens = 0
+        echoed = not req.echo  # an echoed prompt goes first, with the log-probabilities the first delta brings
         while True:
             delta = await handle.queue.get()
             if delta.error is not None:
                 settled = True
                 yield sse(delta.error.body())
                 break
+            if not echoed:
+                echoed = True
+                logprobs = writer and writer.add(handle.prompt_ids, delta.prompt_logprobs)
+                yield sse(chunk(req.kind, rid, model_name, text=echo_text(served, req, handle), logprobs=logprobs))
             completion_tokens += len(delta.token_ids)
-            if delta.text:
-                yield sse(chunk(req.kind, rid, model_name, text=delta.text))
+            if delta.text or (writer and delta.token_ids):
+                logprobs = writer and writer.add(delta.token_ids, delta.logprobs)
+                yield sse(chunk(req.kind, rid, model_name, text=delta.text, logprobs=logprobs))
             if delta.finish_reason is not None:
                 settled = True
                 yield sse(chunk(req.kind, rid, model_name, finish_reason=delta.finish_reason))
@@ -281,17 +337,31 @@ async def stream_events(served: Served, handle: RequestHandle, req: GenerateRequ
             served.loop.cancel(handle)
 
 
-async def collect(handle: RequestHandle) -> tuple[str, int, str]:
-    """(text, completion tokens, finish reason) of a request, once it has finished."""
-    pieces, tokens = [], 0
+@dataclass
+class Collected:
+    """A finished request, put together from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+
+async def collect(handle: RequestHandle) -> Collected:
+    """A request's whole output, once it has finished."""
+    got, pieces = Collected(), []
     while True:
         delta = await handle.queue.get()
         if delta.error is not None:
             raise delta.error
         pieces.append(delta.text)
-        tokens += len(delta.token_ids)
+        got.token_ids += delta.token_ids
+        got.logprobs += delta.logprobs
+        got.prompt_logprobs = got.prompt_logprobs or delta.prompt_logprobs
         if delta.finish_reason is not None:
-            return "".join(pieces), tokens, delta.finish_reason
+            got.text, got.finish_reason = "".join(pieces), delta.finish_reason
+            return got
 
 
 async def disconnected(request: Request) -> None:

@@ -38,6 +38,8 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" once finished
     error: APIError | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of token_ids, if the request asked
+    prompt_logprobs: list | None = None  # in the first delta, if the request scores its prompt
 
 
 class RequestHandle:
@@ -231,13 +233,15 @@ class EngineLoop:
         batches: dict = {}
         for rid, handle in list(self._active.items()):
             seq = handle.seq
-            new_ids = seq.output_ids[handle.tokens_sent:]
+            sent = handle.tokens_sent
+            new_ids = seq.output_ids[sent:]
             if not new_ids and not seq.finished:
                 continue
             handle.tokens_sent = len(seq.output_ids)
             final = seq.text if seq.finished else None
             text = handle.text.update(seq.output_ids, final_text=final)
-            delta = Delta(text, new_ids, seq.finish_reason if seq.finished else None)
+            delta = Delta(text, new_ids, seq.finish_reason if seq.finished else None,
+                          logprobs=seq.logprobs[sent:], prompt_logprobs=seq.prompt_logprobs if sent == 0 else None)
             batches.setdefault(handle.aloop, []).append((handle, delta))
             self.stats.count_tokens(len(new_ids))
             if seq.finished:

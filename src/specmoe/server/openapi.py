@@ -11,6 +11,7 @@ document.
 
 from __future__ import annotations
 
+from ..engine.logprobs import MAX_LOGPROBS
 from .protocol import _NEUTRAL as NEUTRAL_ONLY  # fields accepted only at the value that means "off"
 from .protocol import CHAT_ROLES, MAX_STOP_STRINGS
 
@@ -57,7 +58,8 @@ def completion_request(model_name: str) -> dict:
         **_sampling_fields(model_name),
         "prompt": {"anyOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]},
-        "logprobs": _of("integer", minimum=0, maximum=5),
+        "max_tokens": _of("integer", minimum=0, description="0 only with echo: scores the prompt"),
+        "logprobs": _of("integer", minimum=0, maximum=MAX_LOGPROBS),
         "best_of": _of("integer", minimum=1),
         "echo": _of("boolean"),
         "suffix": _of("string"),
@@ -82,7 +84,7 @@ def chat_request(model_name: str) -> dict:
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": _of("integer", minimum=1),
         "logprobs": _of("boolean"),
-        "top_logprobs": _of("integer", minimum=0, maximum=20),
+        "top_logprobs": _of("integer", minimum=0, maximum=MAX_LOGPROBS),
         "response_format": _of("object"),
         "tools": _of("array"),
         "tool_choice": {"anyOf": [{"type": "string"}, {"type": "object"}, {"type": "null"}]},

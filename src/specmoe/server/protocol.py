@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..base.errors import SpecMoEError
+from ..engine.logprobs import MAX_LOGPROBS
 from ..engine.sampling import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # request bodies above this get 413
@@ -27,12 +28,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields OpenAI defines that are accepted only at the value that means "off".
 _NEUTRAL = {
     "best_of": (1,),
-    "echo": (False,),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
     "tools": ([],),
@@ -161,6 +159,8 @@ class GenerateRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # the chosen token's log-probability and this many alternatives; None: off
+    echo: bool = False  # completions: the prompt (and, with logprobs, its log-probabilities) comes back first
 
     @property
     def prompt_param(self) -> str:
@@ -185,10 +185,15 @@ class GenerateRequest:
                 "the completion). Please reduce the length of the prompt or max_tokens.",
                 "max_tokens", "context_length_exceeded",
             )
+        # an echoed prompt with logprobs is scored; max_tokens=0 (echo only) is a scoring request
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
                 top_k=self.top_k, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
             )
         except SpecMoEError as exc:  # every field was checked above; this is a safety net
             raise invalid(str(exc)) from None
@@ -201,13 +206,14 @@ def check_model(body: dict, served: str) -> None:
                        "model_not_found")
 
 
-def _common(body: dict, kind: str, max_tokens_key: str = "max_tokens") -> dict:
+def _common(body: dict, kind: str, max_tokens_key: str = "max_tokens", echo: bool = False) -> dict:
     n = _get(body, "n", _is_int, "an integer", 1)
     if n != 1:
         raise invalid(f"'n'={n} is not supported: this server returns one choice per request (n=1)", "n")
     max_tokens = _get(body, max_tokens_key, _is_int, "an integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"'{max_tokens_key}' must be at least 1, got {max_tokens}", max_tokens_key)
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise invalid(f"'{max_tokens_key}' must be at least 1 (0 only with 'echo': true, to score the prompt), "
+                      f"got {max_tokens}", max_tokens_key)
     temperature = _get(body, "temperature", _is_number, "a number", 1.0)
     if not 0 <= temperature <= 2:
         raise invalid(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
@@ -244,8 +250,18 @@ def _common(body: dict, kind: str, max_tokens_key: str = "max_tokens") -> dict:
     )
 
 
+def _top_k(body: dict, key: str) -> int | None:
+    """A count of alternatives per token: an integer from 0 to MAX_LOGPROBS, or null."""
+    k = _get(body, key, _is_int, f"an integer from 0 to {MAX_LOGPROBS}")
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise invalid(f"'{key}' must be between 0 and {MAX_LOGPROBS}, got {k}", key)
+    return k
+
+
 def parse_completion(body: dict, served_model: str) -> GenerateRequest:
     _check_fields(body, COMPLETION_FIELDS)
+    echo = _get(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    logprobs = None if body.get("logprobs") is False else _top_k(body, "logprobs")
     if body.get("prompt") is None:
         raise invalid("you must provide a prompt (a string or an array of token ids)", "prompt")
     prompt = body["prompt"]
@@ -259,9 +275,9 @@ def parse_completion(body: dict, served_model: str) -> GenerateRequest:
         raise invalid(f"'prompt' must be a string or an array of token ids, got {_kind(prompt)}", "prompt")
     if not prompt:
         raise invalid("'prompt' is empty: give at least one character or token id", "prompt")
-    fields = _common(body, "completion")
+    fields = _common(body, "completion", echo=echo)
     check_model(body, served_model)
-    return GenerateRequest(prompt=prompt, **fields)
+    return GenerateRequest(prompt=prompt, logprobs=logprobs, echo=echo, **fields)
 
 
 def parse_chat(body: dict, served_model: str, tokenizer) -> GenerateRequest:
@@ -276,7 +292,16 @@ def parse_chat(body: dict, served_model: str, tokenizer) -> GenerateRequest:
     if tokenizer is None:
         raise invalid("this model has no tokenizer, so it cannot chat; use /v1/completions with token ids",
                       "messages")
-    return GenerateRequest(prompt=render_chat(tokenizer, messages), **fields)
+    return GenerateRequest(prompt=render_chat(tokenizer, messages), logprobs=_chat_logprobs(body), **fields)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat asks with `logprobs: true` and `top_logprobs: k` (OpenAI's chat format)."""
+    wanted = _get(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    k = _top_k(body, "top_logprobs")
+    if k is not None and not wanted:
+        raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (k or 0) if wanted else None
 
 
 def _parse_messages(messages) -> list[dict]:
@@ -340,21 +365,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(kind: str, rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
+def response(kind: str, rid: str, model: str, text: str, finish_reason: str, use: dict,
+             logprobs: dict | None = None) -> dict:
     created = int(time.time())
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": use}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": use}
 
 
 def chunk(kind: str, rid: str, model: str, *, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False, use: dict | None = None) -> dict:
-    """One streamed chunk: a text delta, a finish reason, the chat role opener, or usage (no choices)."""
+          role: bool = False, use: dict | None = None, logprobs: dict | None = None) -> dict:
+    """One streamed chunk: a text delta (with its tokens' logprobs), a finish reason, the chat
+    role opener, or usage (no choices)."""
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model}
@@ -362,9 +389,9 @@ def chunk(kind: str, rid: str, model: str, *, text: str | None = None, finish_re
         return {**out, "choices": [], "usage": use}
     if kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        out["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        out["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     return out
 
 

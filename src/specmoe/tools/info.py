@@ -10,10 +10,11 @@ import torch
 
 from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, expert_share
-from ..base.paths import default_model_dir
+from ..base.paths import default_model_dir, offload_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..experts.quant import quant_error_report
+from ..experts.store import direct_io_support
 from ..flags import add_model_args
 from ..policies import POLICIES
 
@@ -25,6 +26,8 @@ def register(subparsers) -> None:
     i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
     i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
     i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 draft copies")
+    i.add_argument("--offload-dir", help="where the disk tier's expert file would live (default: the cache dir); "
+                   "info says whether reads there bypass the page cache")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=run_info)
 
@@ -32,6 +35,9 @@ def register(subparsers) -> None:
 def run_info(args) -> int:
     info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
                       batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant)
+    directory = Path(args.offload_dir) if args.offload_dir else offload_dir()
+    info["offload_dir"] = str(directory)
+    info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
     if args.json:
         print(json.dumps(info))
     else:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ...base.paths import offload_dir
-from ...experts.quant import quantize_all
+from ...experts.quant import draft_copy_bytes, quantize_all
 from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
@@ -40,6 +40,22 @@ class SpecMoEPolicy(OffloadPolicy):
         # with quantized copies of every expert the draft needs no full-precision one
         n = options.draft_experts or (0 if options.draft_quant != "none" else 1)
         return n * len(config.moe_layer_ids) + WORKING_SLOTS
+
+    @classmethod
+    def min_device_bytes(cls, config, options, expert_bytes: int, device, dtype) -> int:
+        """The cheapest draft this configuration may take: quantized copies of every expert
+        (with their scratch) beside the working slots, or the paper's resident draft."""
+        if options.draft_compute == "host":
+            modes = ("none",)
+        else:
+            modes = ("int8", "int4", "none") if options.draft_quant == "auto" else (options.draft_quant,)
+        experts = len(config.moe_layer_ids) * config.num_experts
+        need = []
+        for mode in modes:
+            copy, scratch = draft_copy_bytes(config.hidden_size, config.expert_intermediate_size, mode, device, dtype)
+            slots = cls.min_slots(config, replace(options, draft_quant=mode))
+            need.append(slots * expert_bytes + experts * copy + scratch)
+        return min(need)
 
     @classmethod
     def default_draft_experts(cls, config, slots: int) -> int:

@@ -1,5 +1,6 @@
-"""`specmoe serve` as the tests run it: a real server in a subprocess on a free loopback
-port, on a tiny checkpoint that has a tokenizer and a chat template."""
+"""Servers for the tests, on loopback only: a free port, the app in this process,
+waiting for a server subprocess to answer /health, `specmoe serve` in a subprocess
+(`ServeProcess`), and a tiny checkpoint with a tokenizer and a chat template to serve."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import socket
 import string
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-
-import httpx
-from factories import make_checkpoint
 
 STARTUP_TIMEOUT_S = 180  # a cold start on 2 busy cores: imports and the model load
 CHAT_TEMPLATE = (
@@ -21,6 +21,53 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 WORDS = "the quick brown fox jumps over a lazy dog while experts move once for many tokens".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_in_process(engine, model_name: str):
+    """The app over `engine`, served by uvicorn on a thread of this process; yields its URL."""
+    import uvicorn
+
+    from specmoe.server.app import create_app
+    from specmoe.server.command import bind
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_until_healthy(url: str, proc, log_path, timeout_s: float) -> None:
+    """Until `url`/health answers 200; fails with the server's log if `proc` exits or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with status {proc.returncode}:\n{log_path.read_text()}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not answer /health within {timeout_s} s:\n" \
+            f"{log_path.read_text()}"
+        time.sleep(0.2)
 
 
 def write_tokenizer(model_dir: Path, texts: list[str]) -> None:
@@ -42,19 +89,15 @@ def write_tokenizer(model_dir: Path, texts: list[str]) -> None:
 
 def served_checkpoint(directory: Path) -> Path:
     """A tiny random Mixtral with a tokenizer, in `directory`/tiny-mixtral."""
+    from factories import make_checkpoint
+
     path = make_checkpoint("mixtral", directory / "tiny-mixtral")
     write_tokenizer(path, [" ".join(WORDS)] * 4)
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeProcess:
-    """`specmoe serve --model DIR FLAGS...` on a free loopback port, ready once constructed."""
+    """`specmoe serve --model DIR FLAGS...` in a subprocess on a free loopback port, ready once constructed."""
 
     def __init__(self, model_dir: Path, log_path: Path, *flags: str):
         port = free_port()
@@ -66,22 +109,11 @@ class ServeProcess:
                  "--device", "cpu", *flags],
                 stdout=log, stderr=subprocess.STDOUT,
             )
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with status {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise AssertionError(f"the server did not answer /health within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-            time.sleep(0.2)
+        try:
+            wait_until_healthy(self.url, self.proc, log_path, STARTUP_TIMEOUT_S)
+        except AssertionError:
+            self.proc.kill()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text()

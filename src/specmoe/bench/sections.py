@@ -1,0 +1,196 @@
+"""BENCHMARKS.md as data: each section names the commands that measure it (each writes
+one JSON document into a results directory) and how the section is rendered from those
+documents. `benchmarks/run_all.py` runs the commands (`make bench`); `specmoe bench
+--report DIR --markdown BENCHMARKS.md` rewrites every section from the saved JSON
+(`make bench-report`), between its markers, keeping hand-written text outside them.
+
+Prose here says what a section measures and how; every figure comes from a document.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import report, tables, validate
+
+COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
+
+
+@dataclass(frozen=True)
+class Run:
+    output: str  # file name in the results dir
+    command: str  # {out}: the results dir
+    smoke: str  # the same path in seconds, to prove the command works
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str  # marker name in BENCHMARKS.md
+    title: str
+    about: str
+    runs: tuple[Run, ...]
+    render: Callable[[dict[str, dict]], str]  # {output: document} -> markdown
+
+
+def _bench(name: str, extra: Callable[[dict], str] | None = None) -> Callable[[dict[str, dict]], str]:
+    def render(docs):
+        doc = docs[name]
+        return report.markdown(doc, name, heading=False) + ("\n" + extra(doc) if extra else "")
+    return render
+
+
+def _grid_extra(doc: dict) -> str:
+    batches = sorted({r["batch_size"] for r in doc["records"]}) or [16]
+    b = 16 if 16 in batches else batches[-1]
+    return (f"### Where the time goes, B = {b}\n\nMedian repeat: time compute waited for transfers (transfer_wait_s), "
+            "the rest (compute_s, prefill included) and the decode wall time.\n\n" + tables.breakdown(doc, b)
+            + "\n### `--policy auto` against the best fixed policy\n\n" + tables.auto_against_fixed(doc))
+
+
+SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
+BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
+SIMULATIONS = {
+    "nllb": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27",
+    "nllb-skew1.2": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27 --skew 1.2",
+    "mixtral": "mixtral-8x7b --batch-sizes 1,16,64,256",
+    "scout": "llama-4-scout --batch-sizes 1,16,64,256",
+}
+
+
+def _projections(docs):
+    sims = {name: docs[f"simulate-{name}.json"] for name in SIMULATIONS}
+    return ("SpecMoE × ondemand (simulated) and its tokens/s, per batch size:\n\n" + tables.simulate_speedups(sims)
+            + "\nBytes moved at B = 256:\n\n" + tables.simulate_bytes(sims, 256)
+            + "\nEvery policy, Mixtral-8x7B at B = 1, 16, 256 (decode tokens/s, expert bytes per token):\n\n"
+            + tables.simulate_policies(docs["simulate-mixtral-check.json"]))
+
+
+SECTIONS = (
+    Section("machine", "This machine, as calibration measured it",
+            "`specmoe calibrate` measures the disk, memory and matmul rates and times the engine itself on the demo "
+            "model; saved as the profile `local`, it is what `auto` plans from in the grid and what the "
+            "performance model is validated with below.",
+            (Run("calibration.json", "specmoe calibrate --json > {out}/calibration.json",
+                 "specmoe calibrate --size 16MiB --json > {out}/calibration.json"),),
+            lambda docs: tables.calibration(docs["calibration.json"])),
+    Section("grid", "Main grid: every policy, real disk tier",
+            "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
+            "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "
+            "calibrated just before and the speeds earlier runs recorded. The anchors (transformers' `generate`) "
+            "run in the same rotation with every weight resident.",
+            (Run("grid.json", "specmoe bench --batch-sizes 1,4,16,64 --repeats 3 --policies "
+                 "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces",
+                 f"specmoe bench --quick --batch-sizes 1,4 {BENCH_SMOKE} --policies "
+                 "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces"),),
+            _bench("grid.json", _grid_extra)),
+    Section("validation", "The performance model against the grid",
+            "Every (policy, B) of the grid predicted from the calibrated profile, the model's shape, the workload "
+            "seen in the grid's traces (routing fitted to the resident trace, the specmoe trace's acceptance, "
+            "overlap's measured recall) and each policy's settings as the bench ran them; nothing is fitted to the "
+            "offloaded runs' timings.",
+            (Run("validation.json", "python benchmarks/validate_perf.py {out}/grid.json {out}/traces --json "
+                 "{out}/validation.json", "python benchmarks/validate_perf.py {out}/grid.json {out}/traces --json "
+                 "{out}/validation.json"),),
+            lambda docs: validate.markdown(docs["validation.json"])),
+    Section("capped", "Capped tier: the paper's transfer-bound regime, emulated",
+            "The disk tier's read rate capped (`--offload-bandwidth`) so that one sweep over all 48 MiB of experts "
+            "takes about one second: an emulation of a slow link, not a measurement of one.",
+            (Run("capped.json", "specmoe bench --batch-sizes 16 --repeats 3 --policies ondemand,caching,specmoe "
+                 "--offload-bandwidth 50MB/s --anchors none --json {out}/capped.json",
+                 f"specmoe bench --batch-sizes 2 {BENCH_SMOKE} --policies ondemand,caching,specmoe "
+                 "--offload-bandwidth 200MB/s --anchors none --json {out}/capped.json"),),
+            _bench("capped.json")),
+    Section("quant", "Quantized draft experts against the paper's draft",
+            "Same device budget for every draft, capped disk tier; agreement is the share of drafted "
+            "tokens equal to the target's argmax at their position. Verification is full precision in every "
+            "mode, so the output does not change.",
+            (Run("quant.json", "python benchmarks/quant_ablation.py --modes none,int8,int4,int3 --json {out}/quant.json",
+                 "python benchmarks/quant_ablation.py --modes none,int8 --num-prompts 4 --batch-size 2 --max-tokens 4 "
+                 "--rounds 1 --sweep-s 0.2 --json {out}/quant.json"),),
+            lambda docs: tables.quant_ablation(docs["quant.json"])),
+    Section("ablations", "Ablations of the paper's draft",
+            "The paper's draft (`--draft-quant none`: N full-precision experts per block, the rest substituted) "
+            "with each knob varied beside ondemand in one rotation, real disk tier.",
+            (Run("ablations.json", "specmoe bench --no-grid --ablation all --json {out}/ablations.json",
+                 f"specmoe bench --no-grid --ablation draft-experts --ablation-batch-size 2 {BENCH_SMOKE} "
+                 "--json {out}/ablations.json"),),
+            _bench("ablations.json")),
+    Section("host", "Host tier",
+            "Experts in host memory. On a CPU-only machine the host tier is the same memory as the device: moving "
+            "an expert is a memory copy, so nothing is transfer-bound and `host` (compute where the expert lives) "
+            "is the reference.",
+            (Run("host.json", "specmoe bench --offload host --batch-sizes 16 --repeats 3 --anchors none "
+                 "--json {out}/host.json",
+                 f"specmoe bench --offload host --batch-sizes 2 {BENCH_SMOKE} --anchors none --json {{out}}/host.json"),),
+            _bench("host.json")),
+    Section("identity", "SpecMoE's output equals resident's on the demo model",
+            "Held-out prompts (2 x B), 30 % budget, both tiers: γ = 1, 3, 5, 10 with the default draft, and every "
+            "draft set x substitution with the paper's draft at γ = 5.",
+            (Run("identity.json", "python benchmarks/spec_identity.py --json {out}/identity.json",
+                 "python benchmarks/spec_identity.py --batch-sizes 1 --max-tokens 4 --json {out}/identity.json"),),
+            lambda docs: tables.spec_identity(docs["identity.json"])),
+    Section("serving", "Serving: concurrent requests on loopback",
+            "Streamed greedy completions against `specmoe serve` started by the script; × one at a time is the "
+            "throughput against requests sent one at a time first, in the same run.",
+            (Run("serving-resident.json", "python benchmarks/load_test.py --requests 200 --concurrency 32 "
+                 "--max-tokens 32 --json > {out}/serving-resident.json",
+                 "python benchmarks/load_test.py --requests 8 --concurrency 4 --max-tokens 4 --baseline-requests 2 "
+                 "--json > {out}/serving-resident.json"),
+             Run("serving-specmoe.json", "python benchmarks/load_test.py --requests 96 --concurrency 32 "
+                 "--max-tokens 32 --json -- --policy specmoe --offload host --device-memory 300MiB "
+                 "> {out}/serving-specmoe.json",
+                 "python benchmarks/load_test.py --requests 8 --concurrency 4 --max-tokens 4 --baseline-requests 0 "
+                 "--json -- --policy specmoe --offload host --device-memory 300MiB > {out}/serving-specmoe.json")),
+            lambda docs: tables.load_tests({"demo model, resident": docs["serving-resident.json"],
+                                            "demo model, specmoe (host tier, 300 MiB)": docs["serving-specmoe.json"]})),
+    Section("projections", "Projections for the paper's models (simulated)",
+            "From profiles and shapes that are data (an H100 with PCIe 5, experts in host memory, assumed routing: "
+            "Zipf-like hotness, temporal locality 0.2), the paper's draft of N resident experts. NLLB-MoE is "
+            "approximated as decoder-only and given the paper's 7.27 tokens per step at γ = 10. For comparison, "
+            "the paper reports (measured, not simulated) 4.30x over on-demand fetching for NLLB-MoE at B = 256 with "
+            "76.73 % fewer bytes moved, 2.17x for Mixtral-8x7B and 1.42x for Llama-4-Scout.",
+            tuple(Run(f"simulate-{name}.json", SIM + args + f" > {{out}}/simulate-{name}.json",
+                      SIM + args + f" > {{out}}/simulate-{name}.json")
+                  for name, args in {**SIMULATIONS, "mixtral-check": "mixtral-8x7b --batch-sizes 1,16,256"}.items()),
+            _projections),
+    Section("quick", "Quick run",
+            "`specmoe bench --quick`: every policy at B = 1 and 16, 16 tokens, one repeat, for smoke runs; at one "
+            "repeat the ratios are noisy: use the main grid.",
+            (Run("quick.json", "specmoe bench --quick --json {out}/quick.json",
+                 f"specmoe bench --quick --batch-sizes 1 {BENCH_SMOKE} --anchors none --json {{out}}/quick.json"),),
+            _bench("quick.json")),
+)
+
+
+def commands_run(results: Path) -> dict[str, str]:
+    path = results / COMMANDS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def render(section: Section, results: Path) -> str:
+    """The section's body: what it measures, its commands, and its figures (or a note
+    that they have not been measured into `results` yet)."""
+    ran = commands_run(results)
+    commands = [ran.get(run.output, run.command.replace("{out}", str(results))) for run in section.runs]
+    out = [f"## {section.title}", "", section.about, "", "```", *commands, "```", ""]
+    missing = [run.output for run in section.runs if not (results / run.output).is_file()]
+    if missing:
+        out.append(f"Not measured yet ({', '.join(missing)} missing): `make bench` runs the commands above.\n")
+    else:
+        out.append(section.render({run.output: json.loads((results / run.output).read_text())
+                                   for run in section.runs}))
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def write_report(results: Path, markdown: Path) -> list[str]:
+    """Rewrite every section of `markdown` from `results` (a section not in the file yet
+    is appended, in this module's order); returns the sections rewritten with figures."""
+    measured = []
+    for section in SECTIONS:
+        report.update_markdown(markdown, section.name, render(section, results))
+        if all((results / run.output).is_file() for run in section.runs):
+            measured.append(section.name)
+    return measured

@@ -1,0 +1,167 @@
+"""Markdown tables for BENCHMARKS.md sections, each made from one saved JSON document:
+a `specmoe bench` run (its breakdown and `auto` tables; the main tables are report.py's),
+`specmoe simulate`, `specmoe calibrate` and the scripts under benchmarks/.
+
+Every figure printed here is read from, or computed from, the document it is given.
+"""
+
+from __future__ import annotations
+
+from .report import md_table
+
+
+def _f(v, fmt="{:.1f}", none="–"):
+    return none if v is None else fmt.format(v)
+
+
+# --- a bench run -------------------------------------------------------------------------------------
+
+
+def breakdown(doc: dict, batch: int) -> str:
+    """Where the time of each policy went at one batch size (median repeat)."""
+    rows = [[r["policy"], _f(r["decode_tokens_per_s"]), _f(r.get("transfer_bytes_per_token", 0) / 1e6, "{:.2f}"),
+             _f(r.get("transfer_wait_s") if r["policy"] != "resident" else None, "{:.2f}"),
+             _f(r.get("compute_s"), "{:.2f}"), _f(r.get("decode_s"), "{:.2f}")]
+            for r in doc["records"] if r["batch_size"] == batch and not r.get("skipped") and r["policy"] != "auto"]
+    if not rows:
+        return f"(no records at B = {batch})\n"
+    return md_table(["policy", "tok/s", "MB/token", "transfer_wait_s", "compute_s", "decode_s"], rows) + "\n"
+
+
+def auto_against_fixed(doc: dict) -> str:
+    """Per batch size: every fixed offloading policy, `auto` with its plan, and auto / best fixed."""
+    fixed = [p for p in ("ondemand", "overlap", "caching", "host", "specmoe")
+             if any(r["policy"] == p for r in doc["records"])]
+    rows = []
+    for b in sorted({r["batch_size"] for r in doc["records"]}):
+        at = {r["policy"]: r for r in doc["records"] if r["batch_size"] == b and not r.get("skipped")}
+        auto = at.get("auto")
+        speeds = {p: at[p]["decode_tokens_per_s"] for p in fixed if p in at}
+        if auto is None or not speeds:
+            continue
+        best = max(speeds, key=speeds.get)
+        plan = f"{auto['decode_tokens_per_s']:.1f} ({auto.get('auto_plan')}; final γ {auto.get('gamma')})"
+        rows.append([str(b), *[(f"**{speeds[p]:.1f}**" if p == best else _f(speeds.get(p))) for p in fixed], plan,
+                     f"{auto['decode_tokens_per_s'] / speeds[best]:.2f}"])
+    if not rows:
+        return "(auto did not run)\n"
+    return md_table(["B", *fixed, "auto (its plan; final γ)", "auto / best fixed"], rows) + "\n"
+
+
+# --- benchmarks/quant_ablation.py --------------------------------------------------------------------
+
+
+def quant_ablation(doc: dict) -> str:
+    c, modes = doc["config"], doc["modes"]
+    rows = [[mode, str(m["draft_experts"]), f"{m['tokens_per_step']:.3f}", f"{m['decode_tokens_per_s']:.1f}",
+             f"{m['acceptance_rate']:.3f}", _f(m.get("draft_target_agreement"), "{:.3f}"),
+             f"{m['transfer_bytes_per_token'] / 2**20:.2f}", "yes" if m["exact"] else "NO"] for mode, m in modes.items()]
+    out = [f"Budget {c['budget'] / 2**20:.1f} MiB (non-expert + KV for {c['batch_size']} x {c['max_model_len']} "
+           f"positions + {c['expert_fraction']:.0%} of experts), {c['offload']} tier capped at "
+           f"{c['rate'] / 2**20:.0f} MiB/s (one sweep over all experts in {c['sweep_s']:g} s: an emulation), "
+           f"B = {c['batch_size']}, {c['num_prompts']} prompts x {c['max_tokens']} tokens, γ = {c['gamma']}, greedy, "
+           f"{c['rounds']} interleaved rounds.", "",
+           md_table(["draft", "full-precision N", "tokens/step", "decode tok/s", "acceptance", "agreement",
+                      "MiB moved/token", "= resident"], rows), ""]
+    if "none" in modes:
+        base = modes["none"]
+        out += [f"- {mode} / none: {m['tokens_per_step'] / base['tokens_per_step']:.2f}x tokens per step, "
+                f"{m['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x decode tokens/s"
+                for mode, m in modes.items() if mode != "none"]
+    return "\n".join(out) + "\n"
+
+
+# --- benchmarks/spec_identity.py ---------------------------------------------------------------------
+
+
+def spec_identity(doc: dict) -> str:
+    runs = doc["runs"]
+    equal = sum(r["equal"] for r in runs)
+    by_batch = sorted({r["batch_size"] for r in runs})
+    lines = [f"**{equal}/{len(runs)} runs produced resident's `token_ids_sha256`** ({doc['max_tokens']} tokens, "
+             f"B = {', '.join(map(str, by_batch))}, tiers {', '.join(sorted({r['tier'] for r in runs}))})."]
+    lines += [f"- differs: B={r['batch_size']} {r['tier']} " + ", ".join(f"{k}={v}" for k, v in r.items()
+              if k in ("gamma", "draft_quant", "draft_set", "substitution")) for r in runs if not r["equal"]]
+    return "\n".join(lines) + "\n"
+
+
+# --- benchmarks/load_test.py -------------------------------------------------------------------------
+
+
+def load_tests(docs: dict[str, dict]) -> str:
+    rows = []
+    for name, r in docs.items():
+        latency = f"{_f(r.get('latency_p50_s'), '{:.2f}')} s / {_f(r.get('latency_p99_s'), '{:.2f}')} s"
+        rows.append([name, f"{r['completed']}/{r['requests']}", f"{r['requests_per_s']:.2f}",
+                     f"{r['output_tokens_per_s']:.1f}", _f(r.get("speedup_vs_one_at_a_time"), "{:.2f}"), latency,
+                     _f(r.get("server_mean_batch")), _f(r.get("server_acceptance_rate"), "{:.2f}")])
+    return md_table(["run", "ok", "req/s", "output tok/s", "× one at a time", "p50 / p99 latency", "mean batch",
+                      "acceptance"], rows) + "\n"
+
+
+# --- specmoe simulate --------------------------------------------------------------------------------
+
+
+def _speedup(doc: dict, batch: int) -> dict:
+    return next(r for r in doc["records"] if r["policy"] == "specmoe" and r["batch_size"] == batch)
+
+
+def simulate_speedups(docs: dict[str, dict]) -> str:
+    """SpecMoE over ondemand at each simulated batch size, one row per simulate run."""
+    batches = sorted({b for d in docs.values() for b in d["config"]["batch_sizes"]})
+    rows = []
+    for name, d in docs.items():
+        cells = []
+        for b in batches:
+            if b not in d["config"]["batch_sizes"]:
+                cells.append("–")
+                continue
+            r = _speedup(d, b)
+            cells.append(f"{r['speedup_vs_ondemand']:.2f}x ({r['decode_tokens_per_s']:,.0f} tok/s)")
+        c = d["config"]
+        rows.append([f"{c['model_shape']} ({name}: γ = {c['gamma']}, N = {c['draft_experts']}, acceptance "
+                     f"{c['acceptance']:.2f}, skew {c['skew']})", *cells])
+    return md_table(["run", *[f"B = {b}" for b in batches]], rows) + "\n"
+
+
+def simulate_bytes(docs: dict[str, dict], batch: int) -> str:
+    """At one batch size: ondemand's bytes per step and SpecMoE's cut in bytes per token."""
+    rows = []
+    for name, d in docs.items():
+        if batch not in d["config"]["batch_sizes"]:
+            continue
+        on = next(r for r in d["records"] if r["policy"] == "ondemand" and r["batch_size"] == batch)
+        sp = _speedup(d, batch)
+        rows.append([name, f"{on['transfer_bytes'] / 1e9:.1f} GB", f"{sp['transfer_bytes_per_token'] / 1e6:,.0f} MB",
+                     f"{sp['transfer_bytes_per_token'] / on['transfer_bytes_per_token'] - 1:+.1%}"])
+    return md_table(["run", f"ondemand bytes/step, B = {batch}", "specmoe bytes/token",
+                      "specmoe vs ondemand bytes/token"], rows) + "\n"
+
+
+def simulate_policies(doc: dict) -> str:
+    """Every policy at every batch size of one simulate run: tokens/s and bytes per token."""
+    policies = ["ondemand", "overlap", "caching", "specmoe", "auto"]
+    rows = []
+    for b in doc["config"]["batch_sizes"]:
+        at = {r["policy"]: r for r in doc["records"] if r["batch_size"] == b}
+        rows.append([str(b), *[f"{at[p]['decode_tokens_per_s']:,.1f} tok/s, {at[p]['transfer_bytes_per_token'] / 1e9:.3g} GB"
+                               + (f" ({at[p]['note'].removeprefix('-> ')})" if p == "auto" and at[p].get("note") else "")
+                               for p in policies if p in at]])
+    return md_table(["B", *policies], rows) + "\n"
+
+
+# --- specmoe calibrate ---------------------------------------------------------------------------------
+
+
+def calibration(doc: dict) -> str:
+    m, p = doc["measurements"], doc["profile"]
+    items = [("disk read", f"{m['disk_read_bw'] / 1e9:.2f} GB/s ({m.get('disk_method', '?')})"),
+             ("disk rate left while computing", _f(m.get("disk_read_overlap"), "{:.2f}")),
+             ("memory bandwidth", f"{m['host_mem_bw'] / 1e9:.1f} GB/s"),
+             ("fp32 matmul", f"{m['host_matmul_flops_fp32'] / 1e9:.0f} GFLOP/s"),
+             ("cost per operator", f"{p['kernel_launch_s'] * 1e6:.1f} µs"),
+             ("cost per sequence", f"{p['sequence_overhead_s'] * 1e6:.0f} µs"),
+             ("one expert fetch", _f(m.get("engine_fetch_s"), "{:.2f} ms", "–") if m.get("engine_fetch_s") is None
+              else f"{m['engine_fetch_s'] * 1e3:.2f} ms ({m['engine_fetch_expert_bytes'] / 2**10:.0f} KiB)"),
+             ("engine fit error (rms)", _f(m.get("engine_fit_rms_rel_error"), "{:.0%}"))]
+    return md_table(["calibrated", "value"], [[k, v] for k, v in items]) + "\n"

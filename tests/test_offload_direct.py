@@ -1,0 +1,106 @@
+"""The disk tier bypasses the page cache (O_DIRECT) and says so; where the file system
+refuses, the fallback is announced on stderr and in the run statistics."""
+
+import errno
+import json
+import os
+
+import pytest
+from factories import random_prompts, run_cli
+
+from specmoe import LLM, SamplingParams
+from specmoe.experts import store as store_module
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def kernel_says_direct(fd: int) -> bool:
+    """The open file's flags as the kernel reports them (/proc/self/fdinfo), not as specmoe
+    remembers them."""
+    for line in open(f"/proc/self/fdinfo/{fd}"):
+        if line.startswith("flags:"):
+            return bool(int(line.split()[1], 8) & O_DIRECT)
+    raise AssertionError("no flags line in fdinfo")
+
+
+@pytest.fixture
+def direct_dir(tmp_path):
+    """tmp_path, when its file system takes O_DIRECT (checked here with os.open, not by specmoe)."""
+    if not O_DIRECT or not os.path.isdir("/proc/self/fdinfo"):
+        pytest.skip("O_DIRECT and /proc/self/fdinfo are Linux's")
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(4096))
+    try:
+        os.close(os.open(probe, os.O_RDONLY | O_DIRECT))
+    except OSError as exc:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT ({exc.strerror})")
+    return tmp_path
+
+
+def ondemand(path, directory):
+    return LLM(model=str(path), device="cpu", policy="ondemand", offload="disk", offload_dir=str(directory),
+               max_batch_size=2, max_model_len=32)
+
+
+def test_disk_reads_bypass_the_page_cache_and_the_stats_say_so(tiny_ckpt, direct_dir):
+    llm = ondemand(tiny_ckpt("mixtral"), direct_dir)
+    llm.generate(random_prompts(2, max_len=8), PARAMS)
+    stats = llm.last_stats
+    assert (stats["offload_direct"], stats["offload_direct_reason"]) == (True, "O_DIRECT")
+    assert stats["transfer_bytes"] > 0 and kernel_says_direct(llm.engine.policy.store.fd)
+    llm.close()
+
+
+def refuse_direct_opens(monkeypatch):
+    """A file system that refuses O_DIRECT at open, as some do (EINVAL)."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kw):
+        if flags & O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kw)
+    monkeypatch.setattr(store_module.os, "open", open_)
+
+
+def refuse_direct_reads(monkeypatch):
+    """A file system that takes O_DIRECT at open and refuses the read (EINVAL)."""
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):
+        if kernel_says_direct(fd):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_preadv(fd, buffers, offset)
+    monkeypatch.setattr(store_module.os, "preadv", preadv)
+
+
+@pytest.mark.parametrize("refuse, reason", [(refuse_direct_opens, "O_DIRECT refused"),
+                                            (refuse_direct_reads, "O_DIRECT read refused")])
+def test_a_refused_o_direct_is_announced_and_the_output_is_unchanged(tiny_ckpt, direct_dir, capsys, monkeypatch,
+                                                                     refuse, reason):
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(2, max_len=8)
+    want = ondemand(path, direct_dir)
+    want.generate(prompts, PARAMS)
+    want.close()
+    refuse(monkeypatch)
+    capsys.readouterr()
+    llm = ondemand(path, direct_dir)
+    llm.generate(prompts, PARAMS)
+    stats = llm.last_stats
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "page cache" in line]
+    assert len(warnings) == 1 and reason in warnings[0] and "--offload-dir" in warnings[0]
+    assert stats["offload_direct"] is False and stats["offload_direct_reason"].startswith(reason)
+    assert not kernel_says_direct(llm.engine.policy.store.fd)
+    assert stats["token_ids_sha256"] == want.last_stats["token_ids_sha256"]
+    llm.close()
+
+
+def test_info_says_whether_the_offload_dir_bypasses_the_page_cache(direct_dir, capsys, monkeypatch):
+    code, out, err = run_cli(capsys, "info", "--offload-dir", direct_dir, "--json")
+    assert code == 0, err
+    assert json.loads(out)["offload_direct"] is True
+    refuse_direct_opens(monkeypatch)
+    code, out, err = run_cli(capsys, "info", "--offload-dir", direct_dir, "--json")
+    info = json.loads(out)
+    assert info["offload_direct"] is False and "refused" in info["offload_direct_reason"]
