@@ -21,6 +21,8 @@ pytest.importorskip("transformers")
 
 from serving import served_checkpoint  # noqa: E402
 
+from specmoe.bench import tables  # noqa: E402
+
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 
 
@@ -38,3 +40,5 @@ def test_a_short_soak_answers_every_request_and_keeps_memory_flat(tmp_path):
     assert result["leftover_sequences"] == 0 and result["served"] > 0, result
     assert result["rss_growth_mib"] <= 32, result
     assert proc.returncode == 0
+    row = tables.soak(result).splitlines()[-1]  # BENCHMARKS.md's row, from this document
+    assert f"| {result['served']} | none |" in row and f"({result['rss_growth_mib']:+.1f})" in row
