@@ -33,7 +33,7 @@ COSTMODEL_USERS = ("specmoe.autotune", "specmoe.tools", "specmoe.bench", "specmo
 OPTIONAL = {"fastapi", "uvicorn", "starlette", "matplotlib", "rich", "ray", "transformers", "scipy", "httpx",
             "llama_cpp", "gguf", "compressed_tensors", "selenium"}
 # project modules that exist to wrap an optional dependency (the FastAPI app)
-WRAPS_OPTIONAL = ("specmoe.server.app", "importlib.util")
+WRAPS_OPTIONAL = ("specmoe.server.app", "specmoe.server.graceful", "importlib.util")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 

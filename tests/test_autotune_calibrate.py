@@ -36,12 +36,14 @@ def test_calibrate_saves_a_loadable_profile(tmp_path, capsys):
     assert m["engine_fit_passes"] >= 10 and m["engine_fit_rms_rel_error"] < 0.5
     assert p.kernel_launch_s == m["engine_kernel_launch_s"] and p.device_mem_bw == m["engine_device_mem_bw"]
     assert m["engine_fetch_s"] > 0 and p.transfer_latency_s > 0
-    assert not list((tmp_path / "disk").iterdir())  # the test file is removed
+    # the disk test file is removed; the probe's expert file is kept in --dir, and nowhere else
+    assert {p.name.split("-")[0] for p in (tmp_path / "disk").iterdir()} == {"experts"}
+    assert not list((tmp_path / "cache").rglob("experts-*"))
 
 
 def test_calibrate_refuses_a_builtin_name(capsys):
-    rc, out, err = run(["--name", "h100-pcie5", "--size", "16MiB"], capsys)
-    assert rc == 2 and "built-in" in err
+    with pytest.raises(calibrate_command.CalibrateError, match="built-in"):
+        run(["--name", "h100-pcie5", "--size", "16MiB"], capsys)
 
 
 def test_cuda_measurements_make_a_host_tier_gpu_profile_and_a_disk_variant():
@@ -62,3 +64,22 @@ def test_cpu_measurements_make_the_cpu_the_device_and_the_disk_the_slow_tier():
          "disk_latency_s": 1e-4}
     p = calibrate.build_profile("cpubox", m, cuda=False)
     assert (p.slow_tier, p.fetch_bw, p.device_matmul_flops, p.device_mem_bw) == ("disk", 1.6e9, 5e11, 20e9)
+
+
+def test_auto_calibrates_in_the_offload_dir(tmp_path, monkeypatch):
+    """--policy auto's first-use calibration measures the disk, and keeps the probe's expert
+    file, in --offload-dir (a second copy went to the cache dir); measuring is stood in for."""
+    from dataclasses import replace
+
+    from specmoe.autotune import choose
+
+    seen = {}
+
+    def measure(name, directory, size, engine=True, offload_dir=None):
+        seen.update(directory=directory, offload_dir=offload_dir)
+        return replace(load_profile("h100-pcie5-ssd"), name=name, slow_tier="disk"), {}
+
+    monkeypatch.setattr(choose, "calibrate", measure)
+    profile = choose.machine_profile("disk", None, str(tmp_path / "experts"))
+    assert seen == {"directory": tmp_path / "experts", "offload_dir": str(tmp_path / "experts")}
+    assert profile.name == "local" and load_profile("local") == profile  # saved for next time

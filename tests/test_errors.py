@@ -142,3 +142,10 @@ def test_budget_too_small_for_the_policy_names_the_smallest_that_works(tiny_ckpt
                 "--offload", "host", "--device-memory", "60KiB", "--max-model-len", "32", "--batch-size", "1"),
         "raise --device-memory to at least",
     )
+
+
+def test_a_prompts_file_that_is_not_utf8_names_the_line_and_the_fix(tiny_ckpt, tmp_path, specmoe):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"fine\nlatin-1: caf\xe9\n")
+    assert_one_line_error(specmoe("generate", "--model", tiny_ckpt("mixtral"), "--prompts-file", path),
+                          f"{path}:2", "not UTF-8", "save the file as UTF-8")

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import string
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,70 +22,29 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 from factories import make_checkpoint  # noqa: E402
-from serving import free_port, serve_in_process, wait_until_healthy  # noqa: E402
+from serving import WORDS, ServeProcess, serve_in_process, write_tokenizer  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 
 API_KEY = "test-key-123"
 MAX_TOKENS = 24
-STARTUP_TIMEOUT_S = 180  # a cold start on 2 busy cores: imports and the model load
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-WORDS = "the quick brown fox jumps over a lazy dog while experts move once for many tokens".split()
 PROMPTS = [" ".join(WORDS[i % len(WORDS): i % len(WORDS) + 2 + i % 5]) + f" {i}" for i in range(16)]
-
-
-def write_tokenizer(model_dir) -> None:
-    """A 128-token character-level BPE (ids 0-3: <pad> <s> </s> <unk>, as the checkpoint's)."""
-    from tokenizers import Tokenizer, decoders, models, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()  # tokens are plain text pieces: decoding concatenates them
-    alphabet = list(string.printable[:95])
-    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
-    tok.train_from_iterator([" ".join(WORDS)] * 4 + PROMPTS, trainer)
-    assert tok.get_vocab_size() <= 128 and tok.token_to_id("</s>") == 2
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE,
-    }))
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = make_checkpoint("mixtral", tmp_path_factory.mktemp("served") / "tiny-mixtral")
-    write_tokenizer(path)
+    write_tokenizer(path, [" ".join(WORDS)] * 4 + PROMPTS)
     return path
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server-log") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--device", "cpu", "--api-key", API_KEY, "--max-batch-size", "32"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, proc, log_path, STARTUP_TIMEOUT_S)
-    except AssertionError:
-        proc.kill()
-        raise
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log_text = log_path.read_text()
-    assert "Traceback" not in log_text, log_text
+    served = ServeProcess(model_dir, tmp_path_factory.mktemp("server-log") / "server.log",
+                          "--api-key", API_KEY, "--max-batch-size", "32")
+    yield served.url
+    served.stop()
+    assert "Traceback" not in served.log(), served.log()
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,11 @@ class LLM:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             seq.arrival_s = start
-        engine.run_until_done(on_step=progress)
+        try:
+            engine.run_until_done(on_step=progress)
+        except BaseException:
+            engine.abandon(seqs)  # a failed run (a read error, an interrupt) leaves the engine usable
+            raise
         opts = self.options
         policy_stats = engine.policy.stats()
         if engine.auto_plan:

@@ -1,10 +1,12 @@
 """The `specmoe` command line: generate, info, bench, simulate, calibrate, replay, serve.
 
-Every user-fixable problem ends as one line on stderr and exit status 2.
+Every problem ends as one line on stderr: exit status 2 for bad input, 1 when the
+machine fails (a full or read-only disk, a read error); `--debug` shows the traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -35,10 +37,7 @@ def cmd_generate(args) -> int:
         raise SpecMoEError("no prompt given: pass PROMPT arguments or --prompts-file FILE")
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-    )
+    params = sampling_params(args)
     batch = args.batch_size or len(prompts)
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=batch))
     with _progress(enabled=not args.json and sys.stderr.isatty(), total=len(prompts) * args.max_tokens) as tick:
@@ -60,6 +59,13 @@ def cmd_generate(args) -> int:
         print(_stats_line(stats), file=sys.stderr)
     llm.close()
     return 0
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
 
 
 def _stats_line(s: dict) -> str:
@@ -121,20 +127,34 @@ def build_parser() -> Parser:
 
     for command in SUBCOMMANDS:
         command.register(sub)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    for command_parser in sub.choices.values():  # `specmoe generate --debug` works as well
+        command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                    help="show the traceback of an error")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.debug:  # the traceback, for a bug report
+        return args.func(args)
     try:
         return args.func(args)
-    except SpecMoEError as exc:
+    except SpecMoEError as exc:  # bad input: 2; the machine said no (EnvironmentFailure): 1
         print(f"specmoe: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_status
     except KeyboardInterrupt:
         print("specmoe: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # one not translated where it happened: still one line, naming the file
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"specmoe: error: {where}{(exc.strerror or str(exc)).lower()}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug: say so in one line; --debug shows where
+        print(f"specmoe: internal error: {type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ def with_engine_terms(profile: HardwareProfile, m: dict) -> HardwareProfile:
     return replace(profile, **fitted)
 
 
-def calibrate(name: str, directory: Path, size: int, engine: bool = True) -> tuple[HardwareProfile, dict]:
+def calibrate(name: str, directory: Path, size: int, engine: bool = True,
+              offload_dir: str | None = None) -> tuple[HardwareProfile, dict]:
     """Measure and build the profile. CPU-only machines also run the engine probe on the
-    bundled demo model (a few seconds) unless `engine` is False."""
+    bundled demo model (a few seconds) unless `engine` is False; its expert file goes to
+    `offload_dir` (default: the cache dir's, where runs keep theirs)."""
     m = measure_disk(directory, size)
     # a copy smaller than 64 MiB would measure caches, not DRAM
     m.update(measure_host(copy_bytes=min(256 << 20, max(64 << 20, size))))
@@ -84,7 +86,7 @@ def calibrate(name: str, directory: Path, size: int, engine: bool = True) -> tup
         m.update(measure_cuda())
     profile = build_profile(name, m, cuda)
     if engine and not cuda:
-        m.update(calibrate_engine(profile))
+        m.update(calibrate_engine(profile, offload_dir=offload_dir))
         profile = with_engine_terms(profile, m)
     return profile, m
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from pathlib import Path
 
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, warn
 from ..base.paths import cache_dir
 from ..costmodel.cost_model import Scenario
-from ..costmodel.hardware import load_profile, save_profile
+from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
 from ..costmodel.shapes import shape_of
@@ -32,15 +33,20 @@ from .calibrate import calibrate, disk_variant
 LOCAL_PROFILE = "local"
 
 
-def machine_profile(tier: str, bandwidth: float | None):
-    """This machine's calibrated profile for experts on `tier` (calibrated once if missing)."""
+def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None = None):
+    """This machine's calibrated profile for experts on `tier` (calibrated once if missing;
+    the disk is measured, and the probe's expert file kept, in `offload_dir` when given)."""
     profile = _saved_profile(tier)
     if profile is None:
         print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
-        measured, m = calibrate(LOCAL_PROFILE, cache_dir() / "calibrate", 64 << 20)
-        save_profile(measured, m)
-        if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
-            save_profile(disk_variant(measured, m), m)
+        measured, m = calibrate(LOCAL_PROFILE, Path(offload_dir) if offload_dir else cache_dir() / "calibrate",
+                                64 << 20, offload_dir=offload_dir)
+        try:
+            save_profile(measured, m)
+            if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
+                save_profile(disk_variant(measured, m), m)
+        except OSError as exc:  # a read-only cache dir: plan with it, measure again next time
+            warn(f"cannot save the calibrated profile in {profiles_dir()} ({exc.strerror or exc})")
         profile = _saved_profile(tier) or measured
     if bandwidth:
         profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))
@@ -52,7 +58,10 @@ def _saved_profile(tier: str):
     for name in (LOCAL_PROFILE + "-disk", LOCAL_PROFILE) if tier == "disk" else (LOCAL_PROFILE,):
         try:
             profile = load_profile(name)
-        except ValueError:
+        except ValueError as exc:
+            path = profiles_dir() / f"{name}.json"
+            if path.is_file():  # there, but damaged: measure again
+                warn(f"ignoring {path} ({exc}); it will be rebuilt")
             continue
         if profile.slow_tier == tier:
             return profile
@@ -80,7 +89,7 @@ def choose(runtime) -> tuple:
     """(EngineConfig with the chosen policy and its knobs, a one-line description of the
     plan) for this runtime's model and budget."""
     opts = runtime.options
-    hardware = machine_profile(opts.offload, opts.offload_bandwidth)
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
     policies = CANDIDATES + (("host",) if opts.offload == "host" else ())
     shape, kwargs = _model_inputs(runtime)
     corrections = _corrections(runtime, shape, hardware, kwargs, policies)

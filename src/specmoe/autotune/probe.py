@@ -81,13 +81,14 @@ def _generate(model_dir: Path, options: EngineConfig, prompts: list[list[int]]) 
         engine.close()
 
 
-def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch: int, length: int, warm_up: bool):
+def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch: int, length: int, warm_up: bool,
+         offload_dir: str | None = None):
     """(trace records, engine seconds per decode step outside the traced passes)."""
     trace = workdir / f"{policy}-{batch}-{length}.jsonl"
-    # the disk tier's expert file where the engine keeps it (the cache dir), not a fresh
-    # one: a file just written may still sit in a cache below the guest, reading faster
+    # the disk tier's expert file where the engine keeps it (`offload_dir`, else the cache
+    # dir), not a fresh one: a file just written may still sit in a cache below the guest
     opts = dict(policy=policy, device="cpu", threads=threads, max_batch_size=batch, offload="disk",
-                max_model_len=length + PROBE_TOKENS + 1)
+                offload_dir=offload_dir, max_model_len=length + PROBE_TOKENS + 1)
     if warm_up:  # first-touch allocations, page faults, the disk tier's file: not measured
         _generate(model_dir, EngineConfig(**opts), _prompts(batch, length))
     counters = _generate(model_dir, EngineConfig(trace=str(trace), **opts), _prompts(batch, length))
@@ -97,7 +98,8 @@ def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch
     return records, max(0.0, outside)
 
 
-def run_probe(model_dir: Path, threads: int | None, workdir: Path) -> tuple[ModelShape, list[PassSample]]:
+def run_probe(model_dir: Path, threads: int | None, workdir: Path,
+              offload_dir: str | None = None) -> tuple[ModelShape, list[PassSample]]:
     """Trace the PROBE_RUNS on `model_dir`: per run, each prefill pass and one decode
     sample, the median decode pass (a shared machine's hiccups are not the engine's
     cost) with its experts and fetches averaged."""
@@ -107,7 +109,8 @@ def run_probe(model_dir: Path, threads: int | None, workdir: Path) -> tuple[Mode
     samples: list[PassSample] = []
     seen = set()
     for policy, batch, length in PROBE_RUNS:
-        records, outside = _run(model_dir, threads, workdir, policy, batch, length, warm_up=policy not in seen)
+        records, outside = _run(model_dir, threads, workdir, policy, batch, length, warm_up=policy not in seen,
+                                offload_dir=offload_dir)
         seen.add(policy)
         passes = [r for r in records if r.layers and "wall_s" in r.timings]
         for r in passes:
@@ -229,11 +232,14 @@ def fit_fetch(shape: ModelShape, hw: HardwareProfile, samples: list[PassSample])
     return max(extra, 0.0) / fetched if fetched else None
 
 
-def calibrate_engine(base: HardwareProfile, threads: int | None = None, model_dir: Path | None = None) -> dict:
+def calibrate_engine(base: HardwareProfile, threads: int | None = None, model_dir: Path | None = None,
+                     offload_dir: str | None = None) -> dict:
     """Run the probe on the demo model (or `model_dir`) and fit around `base`'s measured
-    per-operator cost (:func:`measure_op_cost`); measurements for the profile."""
+    per-operator cost (:func:`measure_op_cost`); measurements for the profile. The
+    disk tier's expert file is kept in `offload_dir` (default: the cache dir's)."""
     with tempfile.TemporaryDirectory(prefix="specmoe-probe-") as tmp:
-        shape, samples = run_probe(Path(model_dir) if model_dir else default_model_dir(), threads, Path(tmp))
+        shape, samples = run_probe(Path(model_dir) if model_dir else default_model_dir(), threads, Path(tmp),
+                                   offload_dir)
     fit = fit_compute(shape, base, samples, base.kernel_launch_s)
     fitted = replace(base, **{k: fit[k] for k in ("device_matmul_flops", "device_mem_bw", "kernel_launch_s",
                                                    "sequence_overhead_s")})

@@ -22,11 +22,24 @@ FILE = "speeds.json"
 RECENT = 8
 
 
+def well_formed(data: dict) -> bool:
+    """{fingerprint: {"tier/policy": {"batch size": [tokens/s, ...]}}}"""
+    return all(isinstance(by_policy, dict) and all(_runs_ok(runs) for runs in by_policy.values())
+               for by_policy in data.values())
+
+
+def _runs_ok(by_batch) -> bool:
+    return isinstance(by_batch, dict) and all(
+        b.isdecimal() and int(b) > 0 and isinstance(runs, list)
+        and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in runs)
+        for b, runs in by_batch.items())
+
+
 def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: float) -> None:
     """Keep a run's decode tokens/s."""
     if not tokens_per_s > 0:
         return
-    data = read_json(FILE)
+    data = read_json(FILE, well_formed)
     runs = data.setdefault(fingerprint, {}).setdefault(f"{tier}/{policy}", {}).setdefault(str(batch), [])
     runs.append(float(tokens_per_s))
     del runs[:-RECENT]
@@ -35,7 +48,7 @@ def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: f
 
 def measured(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, float] | None:
     """(recorded batch size nearest to `batch` in log scale, median tokens/s there), or None."""
-    by_batch = read_json(FILE).get(fingerprint, {}).get(f"{tier}/{policy}", {})
+    by_batch = read_json(FILE, well_formed).get(fingerprint, {}).get(f"{tier}/{policy}", {})
     runs = {int(b): r for b, r in by_batch.items() if isinstance(r, list) and r}
     if not runs:
         return None

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from .errors import SpecMoEError
+from .errors import SpecMoEError, warn
+from .files import publish
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "demo"
 
@@ -32,13 +34,30 @@ def offload_dir() -> Path:
     return cache_dir() / "offload"
 
 
-def read_json(name: str) -> dict:
-    """A JSON object kept in the cache dir; {} when missing or unreadable."""
+def read_json(name: str, well_formed: Callable[[dict], bool] = lambda data: True) -> dict:
+    """A JSON object kept in the cache dir; {} when missing. The file is untrusted input:
+    one that cannot be read, is not JSON or not `well_formed` is ignored with a warning
+    (once per process), and the next `write_json` replaces it."""
+    path = cache_dir() / name
     try:
-        data = json.loads((cache_dir() / name).read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON and UTF-8 errors
+        return _ignored(path, f"cannot be read ({exc})")
+    if not isinstance(data, dict) or not well_formed(data):
+        return _ignored(path, "does not have the expected shape")
+    return data
+
+
+_warned: set[Path] = set()  # each damaged file is reported once, however often it is read
+
+
+def _ignored(path: Path, why: str) -> dict:
+    if path not in _warned:
+        _warned.add(path)
+        warn(f"ignoring {path}: it {why}; it will be rebuilt")
+    return {}
 
 
 def write_json(name: str, data: dict) -> None:
@@ -47,8 +66,6 @@ def write_json(name: str, data: dict) -> None:
     path = cache_dir() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(path)
+        publish(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
     except OSError:
         pass

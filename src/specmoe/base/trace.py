@@ -155,7 +155,7 @@ def read_trace(path: str | os.PathLike) -> tuple[dict, list[StepRecord]]:
     p = Path(path)
     try:
         lines = p.read_text().splitlines()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read trace {p}: {e}") from None
     if not lines:
         raise ValueError(f"trace {p} is empty")
@@ -165,7 +165,10 @@ def read_trace(path: str | os.PathLike) -> tuple[dict, list[StepRecord]]:
         raise ValueError(f"trace {p}: line 1 is not JSON: {e}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"trace {p}: line 1 is not a {FORMAT} header")
-    if header.get("version", VERSION) > VERSION:
+    version = header.get("version", VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"trace {p}: line 1: version must be an integer, got {version!r}")
+    if version > VERSION:
         raise ValueError(f"trace {p}: version {header['version']} is newer than this specmoe reads ({VERSION})")
     records = []
     for i, line in enumerate(lines[1:], start=2):

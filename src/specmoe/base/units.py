@@ -25,7 +25,7 @@ _NUMBER = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*
 def parse_size(text: str | int, what: str = "size") -> int:
     """'512MiB', '2GiB', '24G', '1.5GB', '1073741824' or an int -> bytes (positive)."""
     if isinstance(text, int) and not isinstance(text, bool):
-        value = float(text)
+        value = _as_float(text)
     else:
         match = _NUMBER.fullmatch(str(text))
         unit = match and _UNITS.get(match.group(2).lower())
@@ -42,10 +42,19 @@ def parse_size(text: str | int, what: str = "size") -> int:
 def parse_rate(text: str | int | float, what: str = "--offload-bandwidth") -> float:
     """'200MB/s', '1.6GB/s', '1GiB' -> bytes per second (positive)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if not math.isfinite(text) or text <= 0:
-            raise SpecMoEError(f"{what} {text!r} must be a positive number of bytes per second")
-        return float(text)
+        value = _as_float(text)
+        if not math.isfinite(value) or value <= 0:
+            raise SpecMoEError(f"{what} {text!r} must be a positive finite number of bytes per second")
+        return value
     return float(parse_size(re.sub(r"/s$", "", str(text).strip()), what))
+
+
+def _as_float(n: int | float) -> float:
+    """float(n), or an infinity where an int is beyond float's range (float() would raise)."""
+    try:
+        return float(n)
+    except OverflowError:
+        return math.inf if n > 0 else -math.inf
 
 
 def format_bytes(n: float) -> str:

@@ -146,6 +146,16 @@ SECTIONS = (
                  "--json -- --policy specmoe --offload host --device-memory 300MiB > {out}/serving-specmoe.json")),
             lambda docs: tables.load_tests({"demo model, resident": docs["serving-resident.json"],
                                             "demo model, specmoe (host tier, 300 MiB)": docs["serving-specmoe.json"]})),
+    Section("soak", "Soak: the server under a steady mix of requests",
+            "`specmoe serve` with SpecMoE on the disk tier (30 % budget) for 20 minutes at concurrency 32: streamed, "
+            "plain (completion and chat), cancelled (the client hangs up after the first text) and invalid requests "
+            "(each must get its 4xx error object); errors by kind, latency of the served requests, sequences left in "
+            "the server afterwards, and the server's resident memory after a 2-minute warm-up and at the end.",
+            (Run("soak.json", "python benchmarks/soak.py --duration 1200 --concurrency 32 --json -- --policy specmoe "
+                 "--offload disk --device-memory 30% > {out}/soak.json",
+                 "python benchmarks/soak.py --duration 20 --concurrency 4 --json -- --policy specmoe "
+                 "--offload disk --device-memory 30% > {out}/soak.json"),),
+            lambda docs: tables.soak(docs["soak.json"])),
     Section("projections", "Projections for the paper's models (simulated)",
             "From profiles and shapes that are data (an H100 with PCIe 5, experts in host memory, assumed routing: "
             "Zipf-like hotness, temporal locality 0.2), the paper's draft of N resident experts. NLLB-MoE is "

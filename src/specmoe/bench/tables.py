@@ -99,6 +99,22 @@ def load_tests(docs: dict[str, dict]) -> str:
                       "acceptance"], rows) + "\n"
 
 
+# --- benchmarks/soak.py ------------------------------------------------------------------------------
+
+
+def soak(doc: dict) -> str:
+    """One soak run: what was asked, what came back, latency, and resident memory."""
+    asked = ", ".join(f"{kind} {n}" for kind, n in sorted(doc["requests"].items()))
+    errors = ", ".join(f"{kind} {n}" for kind, n in sorted(doc["errors"].items())) or "none"
+    wall = doc["wall_s"]
+    row = [f"{wall / 60:.0f} min" if wall >= 120 else f"{wall:.0f} s", str(doc["concurrency"]), asked, str(doc["served"]), errors,
+           f"{_f(doc.get('latency_p50_s'), '{:.2f}')} s / {_f(doc.get('latency_p99_s'), '{:.2f}')} s",
+           str(doc["leftover_sequences"]),
+           f"{doc['rss_start_mib']:.0f} → {doc['rss_end_mib']:.0f} MiB ({doc['rss_growth_mib']:+.1f})"]
+    return md_table(["duration", "concurrency", "requests by kind", "served", "errors by kind",
+                     "p50 / p99 latency", "sequences left", "resident memory after warm-up → end"], [row]) + "\n"
+
+
 # --- specmoe simulate --------------------------------------------------------------------------------
 
 

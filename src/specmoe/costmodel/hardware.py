@@ -11,10 +11,12 @@ Units: bytes, bytes/s, FLOP/s (dense bf16 matmul), seconds.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..base.files import publish
 from ..base.paths import cache_dir  # re-exported: the perf modules import it from here
 
 _BUILTIN_FILE = Path(__file__).with_name("hardware.json")
@@ -122,6 +124,8 @@ def list_profiles() -> list[str]:
 
 
 def profile_from_dict(d: dict, name: str | None = None) -> HardwareProfile:
+    if not isinstance(d, dict):
+        raise ValueError(f"hardware profile {name or '?'}: expected a JSON object, got {type(d).__name__}")
     known = {f.name for f in fields(HardwareProfile)}
     unknown = sorted(set(d) - known - _METADATA_KEYS)
     if unknown:
@@ -134,20 +138,22 @@ def profile_from_dict(d: dict, name: str | None = None) -> HardwareProfile:
     missing = sorted(known - set(values) - _OPTIONAL)
     if missing:
         raise ValueError(f"hardware profile {values['name'] or '?'}: missing key {missing[0]!r}")
-    if isinstance(values.get("device_memory_bytes"), float):
+    if isinstance(values.get("device_memory_bytes"), float) and math.isfinite(values["device_memory_bytes"]):
         values["device_memory_bytes"] = int(values["device_memory_bytes"])
     return HardwareProfile(**values)
 
 
 def _load_file(path: Path) -> HardwareProfile:
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:
             d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON and UTF-8 errors
         raise ValueError(f"cannot read hardware profile {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"hardware profile {path}: expected a JSON object")
     if "profiles" in d:  # a table like hardware.json: must hold exactly one profile
-        if len(d["profiles"]) != 1:
-            raise ValueError(f"hardware profile file {path} holds {len(d['profiles'])} profiles; expected one")
+        if not isinstance(d["profiles"], dict) or len(d["profiles"]) != 1:
+            raise ValueError(f"hardware profile file {path}: \"profiles\" must map one name to one profile")
         (name, body), = d["profiles"].items()
         return profile_from_dict(body, name)
     return profile_from_dict(d, d.get("name") or path.stem)
@@ -178,7 +184,5 @@ def save_profile(profile: HardwareProfile, measurements: dict | None = None, dir
     body = profile.to_dict()
     if measurements:
         body["measurements"] = measurements
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    tmp.replace(path)
+    publish(path, lambda tmp: tmp.write_text(json.dumps(body, indent=2) + "\n"))
     return path

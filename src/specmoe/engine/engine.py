@@ -169,6 +169,13 @@ class Engine:
         """Drop a request; a running one leaves (and frees its slot) after the current step."""
         self.scheduler.cancel(request_id)
 
+    def abandon(self, seqs: list[Sequence]) -> None:
+        """Drop `seqs` at once (a step failed under them): their slots are free for the next run."""
+        for seq in seqs:
+            self.scheduler.cancel(seq.request_id)
+        for seq in self.scheduler.retire():
+            self.cache.free(seq.slot)
+
     # --- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:

@@ -24,6 +24,7 @@ class DeviceBudget:
         return float("inf") if self.limit is None else self.limit - self.used
 
     def reserve(self, item: str, nbytes: int, hint: str = "") -> None:
+        _check_size(nbytes)
         if self.limit is not None and self.used + nbytes > self.limit:
             raise SpecMoEError(
                 f"device memory {format_bytes(self.limit)} is too small: {item} needs {format_bytes(nbytes)} "
@@ -40,6 +41,7 @@ class DeviceBudget:
         return format_size_at_least(max(self.minimum, need))
 
     def release(self, item: str, nbytes: int) -> None:
+        _check_size(nbytes)
         held = self.by_item.get(item, 0)
         if nbytes > held:
             raise RuntimeError(f"releasing {nbytes} bytes of {item!r} but only {held} are reserved")
@@ -48,3 +50,9 @@ class DeviceBudget:
 
     def reset_peak(self) -> None:
         self.peak = self.used
+
+
+def _check_size(nbytes: int) -> None:
+    # a negative size would let one item hold more than the whole budget
+    if nbytes < 0:
+        raise ValueError(f"a reservation is a size in bytes >= 0, got {nbytes}")

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..base.checkpoint import Checkpoint
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, warn
+from ..base.files import keep
 from ..base.specs import ExpertSpec
 from ..model.moe import expert_forward, expert_views
 
@@ -379,13 +380,12 @@ def load_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path | None) -> Quant
             q = QuantizedExperts.from_state_dict(mode, load_file(str(path)), c.expert)
             if set(q.layers) == set(c.moe_layer_ids):
                 return q
-        except Exception:  # a damaged or foreign cache file: recompute it
+        except Exception:  # noqa: BLE001 - a damaged or foreign cache file: recompute it
             pass
+        warn(f"ignoring {path}: it is not this model's {mode} copies (damaged?); it will be rebuilt")
     q = compute_quantized(ckpt, mode)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file(q.state_dict(), str(tmp), metadata={"mode": mode, "format": str(FORMAT_VERSION)})
-    tmp.replace(path)
+    keep(path, lambda tmp: save_file(q.state_dict(), str(tmp), metadata={"mode": mode, "format": str(FORMAT_VERSION)}),
+         f"the {mode} copies of the experts")
     return q
 
 

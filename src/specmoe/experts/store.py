@@ -2,16 +2,17 @@
 
 `host`: all experts in CPU memory, one contiguous buffer each (pinned when the compute
 device is CUDA, so copies can be asynchronous).
-`disk`: all experts written once as aligned blobs into one file, reused while the
-checkpoint is unchanged, read with the page cache bypassed (O_DIRECT, else
-posix_fadvise(DONTNEED)) so that the bandwidth measured is the disk's. A CRC32 per blob is
-verified on its first read. `bandwidth` caps the read rate: an *emulation* of a slower
-link (PCIe 3, a network store), not a measurement.
+`disk`: all experts as aligned blobs in one file (expert_file.py: built once per
+checkpoint under a lock, checked when opened, a blob that fails its CRC32 on its first
+read rewritten from the checkpoint), read with the page cache bypassed (O_DIRECT, else
+posix_fadvise(DONTNEED), with a warning) so that the bandwidth measured is the disk's.
+`bandwidth` caps the read rate: an *emulation* of a slower link (PCIe 3, a network
+store), not a measurement.
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import mmap
 import os
 import sys
@@ -23,11 +24,9 @@ from pathlib import Path
 import torch
 
 from ..base.checkpoint import Checkpoint
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, os_failure, warn
 from ..base.paths import offload_dir
-
-ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical block size
-Key = tuple[int, int]  # (layer, expert)
+from .expert_file import ALIGN, ExpertLayout, Key, open_or_build, repair_blob
 
 
 class ExpertStore:
@@ -83,7 +82,7 @@ class HostStore(ExpertStore):
                 self.buffers = self.buffers.pin_memory()
                 self.pinned = True
             except RuntimeError as exc:  # e.g. locked-memory limits
-                print(f"specmoe: warning: could not pin host memory for experts ({exc}); copies will be synchronous", file=sys.stderr)
+                warn(f"could not pin host memory for experts ({exc}); copies will be synchronous")
         for key, i in self.index.items():
             self.buffers[i].copy_(ckpt.expert_buffer(*key, dtype))
 
@@ -95,49 +94,33 @@ class HostStore(ExpertStore):
 
 
 class DiskStore(ExpertStore):
+    """The experts in one file on disk (expert_file.py: format, build, checks, repair)."""
+
     tier = "disk"
 
     def __init__(self, ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, directory: str | None, bandwidth=None):
         numel = ckpt.config.expert_params
         super().__init__(keys, numel, dtype, bandwidth)
-        self.blob_size = -(-self.nbytes // ALIGN) * ALIGN
         dtype_name = str(dtype).removeprefix("torch.")
+        fingerprint = ckpt.fingerprint()
+        self.layout = ExpertLayout(fingerprint, dtype_name, tuple(keys), self.nbytes)
+        self.blob_size = self.layout.blob_size
         base = Path(directory) if directory else offload_dir()
-        base.mkdir(parents=True, exist_ok=True)
-        stem = f"experts-{ckpt.fingerprint()}-{dtype_name}"
-        self.path = base / f"{stem}.bin"
-        self.manifest_path = base / f"{stem}.json"
+        self.path = base / f"experts-{fingerprint}-{dtype_name}.bin"
         self.index = {key: i for i, key in enumerate(keys)}
-        self.checksums = self._load_or_write(ckpt)
+        self._ckpt = ckpt
+        self._ckpt_lock = threading.Lock()  # the checkpoint's reader is not thread-safe; repairs run on the reader thread
+        self.checksums, self.built = open_or_build(self.path, self.layout, self._checkpoint_bytes)
         self.verified = [False] * len(keys)
+        self.repaired = 0  # blobs that failed their checksum and were served from the checkpoint
         self.fd, self.direct, self.direct_reason = _open_direct(self.path)
         if not self.direct:
             _warn_buffered(self.path, self.direct_reason)
         self._buffers = threading.local()  # one aligned bounce buffer per reading thread
 
-    def _load_or_write(self, ckpt: Checkpoint) -> list[int]:
-        if self.manifest_path.is_file() and self.path.is_file():
-            try:
-                manifest = json.loads(self.manifest_path.read_text())
-                if manifest["keys"] == [list(k) for k in self.keys] and manifest["blob_size"] == self.blob_size:
-                    return manifest["crc32"]
-            except (ValueError, KeyError):
-                pass  # rewrite a manifest we cannot trust
-        tmp = self.path.with_suffix(".tmp")
-        checksums = []
-        blob = bytearray(self.blob_size)
-        with open(tmp, "wb") as f:
-            for key in self.keys:
-                data = ckpt.expert_buffer(*key, self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
-                blob[: len(data)] = data
-                checksums.append(zlib.crc32(data))
-                f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        manifest = {"keys": [list(k) for k in self.keys], "blob_size": self.blob_size, "nbytes": self.nbytes, "crc32": checksums}
-        self.manifest_path.write_text(json.dumps(manifest))
-        return checksums
+    def _checkpoint_bytes(self, key: Key) -> bytes:
+        with self._ckpt_lock:
+            return self._ckpt.expert_buffer(*key, self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
 
     def _bounce(self) -> mmap.mmap:
         buf = getattr(self._buffers, "buf", None)
@@ -146,27 +129,51 @@ class DiskStore(ExpertStore):
             self._buffers.buf = buf
         return buf
 
-    def _read(self, key: Key, dest: torch.Tensor) -> None:
-        i = self.index[key]
+    def _read_blob(self, i: int) -> memoryview:
+        """Blob `i`'s expert bytes as they are on disk (a view of this thread's buffer)."""
         buf = self._bounce()
-        offset = i * self.blob_size
+        offset = self.layout.offset(i)
         try:
-            got = os.preadv(self.fd, [buf], offset)
-        except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
-            if not self.direct:
-                raise
-            self._fall_back_to_buffered(f"O_DIRECT read refused: {exc.strerror}")
-            got = os.preadv(self.fd, [buf], offset)
-        if got < self.nbytes:
-            raise SpecMoEError(f"{self.path}: short read of expert {key} ({got} of {self.nbytes} bytes); delete the file to rebuild it")
+            got = self._pread(buf, offset)
+        except OSError as exc:
+            raise os_failure(exc, f"cannot read expert {self.keys[i]} from the expert file {self.path}",
+                             "check the disk (dmesg), or pass --offload-dir DIR on another disk") from None
         if not self.direct:  # drop what the read put in the page cache: the next read hits the disk
             os.posix_fadvise(self.fd, offset, self.blob_size, os.POSIX_FADV_DONTNEED)
-        view = memoryview(buf)[: self.nbytes]
+        return memoryview(buf)[: min(got, self.nbytes)]
+
+    def _read(self, key: Key, dest: torch.Tensor) -> None:
+        i = self.index[key]
+        view = self._read_blob(i)
         if not self.verified[i]:
-            if zlib.crc32(view) != self.checksums[i]:
-                raise SpecMoEError(f"{self.path}: checksum mismatch for expert {key}; delete the file to rebuild it")
-            self.verified[i] = True
+            if len(view) == self.nbytes and zlib.crc32(view) == self.checksums[i]:
+                self.verified[i] = True
+            else:
+                view = self._repair(i, key)
         dest.view(torch.uint8).copy_(torch.frombuffer(view, dtype=torch.uint8))
+
+    def _repair(self, i: int, key: Key):
+        """A blob that fails its checksum is never used: serve the checkpoint's bytes and
+        rewrite the blob; it counts as verified once a read of it checks out."""
+        data = self._checkpoint_bytes(key)
+        why = repair_blob(self.path, self.layout, i, data)
+        self.repaired += 1
+        if why is None and zlib.crc32(self._read_blob(i)) == self.checksums[i]:
+            self.verified[i] = True
+            warn(f"expert {key} in {self.path} failed its checksum; rewrote it from the checkpoint")
+        else:
+            warn(f"expert {key} in {self.path} failed its checksum and could not be rewritten "
+                 f"({why or 'it still reads back wrong'}); reading it from the checkpoint")
+        return memoryview(bytearray(data))
+
+    def _pread(self, buf: mmap.mmap, offset: int) -> int:
+        try:
+            return os.preadv(self.fd, [buf], offset)
+        except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            self._fall_back_to_buffered(f"O_DIRECT read refused: {exc.strerror}")
+            return os.preadv(self.fd, [buf], offset)
 
     def _fall_back_to_buffered(self, reason: str) -> None:
         os.close(self.fd)
@@ -191,9 +198,9 @@ def _open_direct(path: Path) -> tuple[int, bool, str]:
 
 
 def _warn_buffered(path: Path, reason: str) -> None:
-    print(f"specmoe: warning: {path.parent} does not bypass the page cache ({reason}); expert reads are "
-          "buffered and dropped with posix_fadvise(DONTNEED), so repeated reads may come from memory, "
-          "not the disk: put --offload-dir on a file system with direct I/O", file=sys.stderr)
+    warn(f"{path.parent} does not bypass the page cache ({reason}); expert reads are buffered and dropped "
+         "with posix_fadvise(DONTNEED), so repeated reads may come from memory, not the disk: put "
+         "--offload-dir on a file system with direct I/O")
 
 
 def direct_io_support(directory: Path) -> tuple[bool, str]:

@@ -4,11 +4,13 @@ One background reader (a disk or a PCIe link serves one stream best) fills pool 
 while the main thread computes. On CUDA the host-to-device copy runs on a side stream
 and an event orders it before the compute that uses the expert. A key is pinned from
 the moment its fetch is issued until `wait` hands it over, so its slot cannot be
-reused mid-copy. Every byte that enters the pool is counted here.
+reused mid-copy. A read that fails on the reader thread raises in `wait`, on the main
+thread, and frees its slot. Every byte that enters the pool is counted here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -84,11 +86,32 @@ class TransferEngine:
         if future is None:
             return
         start = time.perf_counter()
-        event = future.result()
+        try:
+            self._land(key, future)
+        except BaseException:
+            self._settle()  # leave nothing in flight whose outcome no one will ask for
+            raise
+        self.wait_s += time.perf_counter() - start
+
+    def _land(self, key: Key, future: Future) -> None:
+        try:
+            event = future.result()  # a read that failed on the reader thread raises here
+        except BaseException:
+            # the slot holds nothing usable: free it, so that a later fetch reads the expert again
+            table = self.pool.table
+            table.unpin(key)
+            if key in table and key not in table.pins:
+                table.drop(key)
+            raise
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-        self.wait_s += time.perf_counter() - start
         self.pool.table.unpin(key)
+
+    def _settle(self) -> None:
+        """Land every fetch still in flight, keeping those that arrived (a failure was raised already)."""
+        for key in list(self.inflight):
+            with contextlib.suppress(Exception):
+                self._land(key, self.inflight.pop(key))
 
     def ensure(self, key: Key) -> None:
         if key not in self.pool.table and key not in self.inflight:
@@ -101,5 +124,5 @@ class TransferEngine:
             self.wait(key)
 
     def close(self) -> None:
-        self.drain()
+        self._settle()  # no copy may still write into the pool once it is freed
         self.executor.shutdown(wait=True)

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..base.errors import SpecMoEError
-from . import metrics, tokens
+from . import metrics, openapi, tokens
 from .logprobs import LogprobsWriter, merge
 from .loop import EngineLoop, RequestHandle
 from .protocol import (
@@ -67,7 +67,9 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app serving `engine` under `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."""
     served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes)
-    app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: openapi.document(model_name)  # written out: the handlers read raw bodies
     app.state.engine_loop = served.loop
     add_error_handlers(app, served)
     app.include_router(v1_router(served))
@@ -204,6 +206,8 @@ def add_operations_routes(app: FastAPI, served: Served) -> None:
 
     @app.get("/health")
     async def health():
+        if loop.draining:  # a load balancer should send new requests elsewhere
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
         if loop.alive:
             return {"status": "ok"}
         return JSONResponse({"status": "error", "error": f"the engine loop stopped: {loop.error}"}, status_code=503)

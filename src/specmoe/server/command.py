@@ -1,4 +1,10 @@
-"""`specmoe serve`: load the model, bind the socket, run uvicorn until interrupted."""
+"""`specmoe serve`: load the model, bind the socket, run uvicorn until interrupted.
+
+SIGTERM or SIGINT (Ctrl-C) starts a graceful shutdown: the listening socket closes, no
+new request is admitted (503 `shutting_down`, /health 503), requests in flight get
+`--shutdown-timeout` seconds to finish and are then answered with that error (a final
+SSE event for streams), and the process exits 0. A second Ctrl-C exits at once.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECMOE_API_KEY if set)")
     p.add_argument("--served-model-name", help="model name clients use (default: the model directory's name)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, stop admitting and give requests in flight this long to finish; "
+                        "then answer them with an error and exit (default 30; a second Ctrl-C exits at once)")
     p.set_defaults(func=run_serve)
 
 
@@ -61,10 +70,13 @@ def run_serve(args) -> int:
         import uvicorn
 
         from .app import create_app  # fastapi: an optional dependency
+        from .graceful import GracefulServer  # uvicorn's server, draining on SIGTERM
     except ModuleNotFoundError as exc:
         raise SpecMoEError(f"specmoe serve needs {exc.name}: pip install 'specmoe[serve]'") from None
     if args.max_batch_size < 1:
         raise SpecMoEError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    if not 0 <= args.shutdown_timeout <= 24 * 3600:  # also refuses nan
+        raise SpecMoEError(f"--shutdown-timeout must be 0..86400 seconds, got {args.shutdown_timeout}")
     api_key = args.api_key or os.environ.get("SPECMOE_API_KEY") or None
     sock = bind(args.host, args.port)  # before loading the model: a busy port fails fast
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=args.max_batch_size))
@@ -78,12 +90,12 @@ def run_serve(args) -> int:
     if args.host not in LOOPBACK and not api_key:
         print(f"specmoe: warning: listening on {args.host} without --api-key: anyone who can reach this port "
               "can use the model", file=sys.stderr, flush=True)
+    # uvicorn's own limit only cuts connections that outlive the engine's answer to them
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 10)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        GracefulServer(config, app.state.engine_loop, args.shutdown_timeout).run(sockets=[sock])
     finally:
         sock.close()
         llm.close()
     return 0
-

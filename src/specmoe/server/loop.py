@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -127,6 +128,9 @@ class EngineLoop:
         self.max_pending = max_pending
         self.stats = ServerStats()
         self.error: BaseException | None = None  # why the thread died, if it did
+        # set (one assignment: safe from a signal handler) when shutdown begins: no new
+        # request is admitted, and those still running at this time are answered with an error
+        self.drain_deadline: float | None = None
         self._commands: queue.Queue = queue.Queue()
         self._active: dict[int, RequestHandle] = {}  # engine request id -> handle
         self._thread = threading.Thread(target=self._run, name="specmoe-engine", daemon=True)
@@ -140,6 +144,14 @@ class EngineLoop:
         self._commands.put(("stop", None))
         self._thread.join(timeout)
 
+    def drain(self, grace_s: float) -> None:
+        """Stop admitting; requests in flight get `grace_s` seconds to finish."""
+        self.drain_deadline = time.monotonic() + grace_s
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
     @property
     def alive(self) -> bool:
         # a loop that has failed is dead even while its thread is still failing the
@@ -149,6 +161,8 @@ class EngineLoop:
     def submit(self, handle: RequestHandle) -> None:
         if not self.alive:
             raise APIError(503, "the engine is not running; see the server log", code="engine_dead")
+        if self.draining:
+            raise shutting_down()
         pending = self._commands.qsize() + self.stats.snapshot.waiting
         if pending >= self.max_pending:
             raise APIError(503, f"the server has {pending} requests waiting; retry later", code="overloaded")
@@ -167,10 +181,12 @@ class EngineLoop:
                 while self._take_commands(block=not self.engine.scheduler.has_work):
                     if self.engine.scheduler.has_work:
                         self._step()
+                    if self.draining and time.monotonic() >= self.drain_deadline:
+                        self._fail_all(shutting_down)
         except BaseException as exc:  # keep the reason for /health and the log
             self.error = exc
             log.exception("the engine loop stopped")
-            self._fail_all("the engine loop stopped: " + str(exc))
+            self._fail_all(lambda: engine_error("the engine loop stopped: " + str(exc)))
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when idle. False: stop."""
@@ -181,8 +197,8 @@ class EngineLoop:
         while True:
             kind, handle = command
             if kind == "stop":
-                self._fail_all("the server is shutting down")
-                self._refuse_queued("the server is shutting down")
+                self._fail_all(shutting_down)
+                self._refuse_queued()
                 return False
             if kind == "add":
                 self._add(handle)
@@ -213,7 +229,7 @@ class EngineLoop:
         except Exception as exc:
             # The state of the sequences in this step is unknown: fail them, keep serving.
             log.exception("an engine step failed; failing the %d requests in it", len(self._active))
-            self._fail_all(f"the engine failed while generating: {exc}")
+            self._fail_all(lambda: engine_error(f"the engine failed while generating: {exc}"))
         batches: dict = {}
         for rid, handle in list(self._active.items()):
             seq = handle.seq
@@ -234,9 +250,10 @@ class EngineLoop:
         deliver(batches)
         self.stats.refresh(self.engine)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: Callable[[], APIError]) -> None:
+        """Answer every request the engine holds with an `error()` and drop it."""
         for rid, handle in list(self._active.items()):
-            handle.push(Delta(error=APIError(500, message, code="engine_error")))
+            handle.push(Delta(error=error()))
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - already failing; the requests are answered
@@ -244,11 +261,19 @@ class EngineLoop:
             self.stats.finished["error"] += 1
         self._active.clear()
 
-    def _refuse_queued(self, message: str) -> None:
+    def _refuse_queued(self) -> None:
         while True:
             try:
                 kind, handle = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
-                handle.push(Delta(error=APIError(503, message, code="shutting_down")))
+                handle.push(Delta(error=shutting_down()))
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry later or on another replica", code="shutting_down")
+
+
+def engine_error(message: str) -> APIError:
+    return APIError(500, message, code="engine_error")

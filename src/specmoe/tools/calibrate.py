@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from ..autotune.calibrate import calibrate, disk_variant
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, os_failure
 from ..base.paths import cache_dir
 from ..base.units import format_rate, parse_size
 from ..costmodel.hardware import builtin_profile_names, save_profile
@@ -22,8 +21,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="measure this machine and save a hardware profile",
                               description="Measure disk, memory, matmul (and, with CUDA, PCIe and GPU) rates and "
                                           "save them as a hardware profile for --hardware NAME.")
-    p.add_argument("--dir", metavar="PATH", help="directory for the disk test file (default: a temporary dir "
-                                                 "under the specmoe cache dir; put it on the disk experts live on)")
+    p.add_argument("--dir", metavar="PATH", help="directory for the disk test file and the engine probe's expert "
+                                                 "file (default: the specmoe cache dir; put it on the disk experts "
+                                                 "live on)")
     p.add_argument("--name", default="local", help="profile name (default: local)")
     p.add_argument("--size", default="256MiB", help="disk test file size (default: 256MiB)")
     p.add_argument("--json", action="store_true", help="print the profile and measurements as JSON")
@@ -35,18 +35,22 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_calibrate(args) -> int:
+    size = parse_size(args.size, "--size")
+    if args.name in builtin_profile_names() or not args.name or "/" in args.name:
+        raise CalibrateError(f"bad --name {args.name!r}: choose a name that is not a built-in profile "
+                             f"({', '.join(builtin_profile_names())}) and has no '/'")
+    directory = Path(args.dir) if args.dir else cache_dir() / "calibrate"
     try:
-        size = parse_size(args.size)
-        if args.name in builtin_profile_names() or not args.name or "/" in args.name:
-            raise CalibrateError(f"bad --name {args.name!r}: choose a name that is not a built-in profile "
-                                 f"({', '.join(builtin_profile_names())}) and has no '/'")
-        directory = Path(args.dir) if args.dir else cache_dir() / "calibrate"
-        profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe)
+        profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe, offload_dir=args.dir)
         path = save_profile(profile, m)
         extra = save_profile(disk_variant(profile, m), m) if profile.slow_tier == "host" else None
-    except (ValueError, OSError) as e:
-        print(f"specmoe calibrate: error: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:  # the main command prints it: one line, exit status 1
+        raise os_failure(e, f"cannot measure the disk in {directory}",
+                         "pass --dir DIR on a writable disk with room for --size") from None
+    except SpecMoEError:
+        raise
+    except ValueError as e:  # a measurement the fit cannot use
+        raise CalibrateError(str(e)) from None
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "measurements": m, "path": str(path)}, indent=2))
     else:

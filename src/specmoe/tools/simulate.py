@@ -71,7 +71,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="alternative to --acceptance: measured tokens per step at --gamma")
     p.add_argument("--cache-fraction", type=float, default=None, metavar="F",
                    help=f"caching: fraction of each block's experts kept resident (default: "
-                        f"{DEFAULT_CACHE_FRACTION:.0%} or the draft set's share N/E, whichever is larger, so that "
+                        f"{DEFAULT_CACHE_FRACTION:.0%}% or the draft set's share N/E, whichever is larger, so that "
                         f"caching and specmoe keep the same expert bytes resident)")
     p.add_argument("--skew", type=float, default=None, help=f"routing hotness skew (default {DEFAULT_SKEW})")
     p.add_argument("--locality", type=float, default=None,
