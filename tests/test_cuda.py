@@ -20,8 +20,10 @@ from factories import (
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
+from specmoe.base.specs import ExpertSpec
 from specmoe.base.trace import read_trace
 from specmoe.experts.budget import DeviceBudget
+from specmoe.experts.formats import FloatFormat
 from specmoe.experts.pool import DevicePool
 from specmoe.experts.store import HostStore, open_store
 from specmoe.experts.transfer import TransferEngine
@@ -46,7 +48,7 @@ def expert_keys(ckpt):
 def test_host_store_is_pinned_on_cuda(tiny_ckpt):
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
     keys = expert_keys(ckpt)
-    store = open_store(ckpt, keys, torch.float32, CUDA, "host")
+    store = open_store(ckpt, keys, FloatFormat(ckpt.config.expert, torch.float32), CUDA, "host")
     assert store.pinned and store.buffers.is_pinned()
     assert torch.equal(store.host_tensor(keys[3]), ckpt.expert_buffer(*keys[3], torch.float32))
 
@@ -55,8 +57,9 @@ def test_host_store_is_pinned_on_cuda(tiny_ckpt):
 def test_side_stream_copies_bring_the_right_bytes(tiny_ckpt, tmp_path, tier):
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
     keys = expert_keys(ckpt)
-    store = open_store(ckpt, keys, torch.float32, CUDA, tier, str(tmp_path))
-    pool = DevicePool(4, store.numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    fmt = FloatFormat(ckpt.config.expert, torch.float32)
+    store = open_store(ckpt, keys, fmt, CUDA, tier, str(tmp_path))
+    pool = DevicePool(4, fmt, CUDA, DeviceBudget(None), "test", 1)
     engine = TransferEngine(store, pool, CUDA)
     assert engine.stream is not None and engine.stream != torch.cuda.current_stream(CUDA)
     for key in keys[:7]:  # more experts than slots: later ones land in evicted slots
@@ -81,9 +84,10 @@ def test_a_refetch_into_a_slot_waits_for_the_compute_still_reading_it():
     # The engine unpins an expert as soon as its kernels are *launched*; the slot may then
     # be refilled by the side stream while those kernels are still queued on the compute
     # stream. The copy must be ordered after them, or the compute reads the next expert.
-    numel = 1 << 20
-    store = HostStore(_ConstantExperts(numel), [(0, 0), (0, 1)], torch.float32, pin=True)
-    pool = DevicePool(1, numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    fmt = FloatFormat(ExpertSpec(1024, 512, activation="relu"), torch.float32)  # 1 << 20 elements
+    numel = fmt.numel
+    store = HostStore(_ConstantExperts(numel), [(0, 0), (0, 1)], fmt, pin=True)
+    pool = DevicePool(1, fmt, CUDA, DeviceBudget(None), "test", 1)
     engine = TransferEngine(store, pool, CUDA)
     engine.ensure((0, 0))
     slot = pool.get((0, 0))

@@ -86,7 +86,7 @@ class Engine:
         rollback = max(options.gamma, MAX_GAMMA)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
-        expert_bytes = self.config.expert_params * elem
+        expert_bytes = self.config.expert_bytes(elem)  # a quantized checkpoint's experts: their blobs
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
@@ -128,8 +128,9 @@ class Engine:
         share = expert_share(device_memory)
         if share is None:
             return device_memory
-        experts = self.config.expert_params * len(self.config.moe_layer_ids) * self.config.num_experts
-        return int(non_expert + kv + share * experts * torch.tensor([], dtype=self.dtype).element_size())
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        experts = self.config.expert_bytes(elem) * len(self.config.moe_layer_ids) * self.config.num_experts
+        return int(non_expert + kv + share * experts)
 
     # --- requests ----------------------------------------------------------------------
 

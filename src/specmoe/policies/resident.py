@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.moe import Routing, dispatch, group_by_expert, run_expert
-from .base import Policy, Runtime
+from ..model.moe import Routing, dispatch, group_by_expert
+from .base import Policy, Runtime, reserve_scratch
 
 
 class ResidentPolicy(Policy):
@@ -14,13 +14,15 @@ class ResidentPolicy(Policy):
     def __init__(self, runtime: Runtime):
         super().__init__(runtime)
         c = runtime.config
+        self.format = fmt = runtime.expert_format
+        reserve_scratch(runtime)
         runtime.budget.reserve(
             "experts", runtime.expert_bytes * len(runtime.expert_keys),
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
         self.experts: dict[int, list[torch.Tensor]] = {
             layer: [
-                runtime.checkpoint.expert_buffer(layer, e, runtime.dtype).to(runtime.device)
+                fmt.read(runtime.checkpoint, layer, e).to(runtime.device)
                 for e in range(c.num_experts)
             ]
             for layer in c.moe_layer_ids
@@ -30,4 +32,4 @@ class ResidentPolicy(Policy):
         c = self.config
         buffers = self.experts[layer]
         groups = group_by_expert(routing, c.num_experts)
-        return dispatch(x, groups, lambda e, xs: run_expert(buffers[e], xs, c.expert))
+        return dispatch(x, groups, lambda e, xs: self.format.forward(buffers[e], xs))

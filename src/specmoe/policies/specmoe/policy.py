@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ...base.paths import offload_dir
-from ...experts.quant import draft_copy_bytes, quantize_all
+from ...experts.formats import expert_format
+from ...experts.quant import draft_copy_bytes, draft_modes, quantize_all
 from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
@@ -48,14 +49,14 @@ class SpecMoEPolicy(OffloadPolicy):
         if options.draft_compute == "host":
             modes = ("none",)
         else:
-            modes = ("int8", "int4", "none") if options.draft_quant == "auto" else (options.draft_quant,)
+            modes = (*draft_modes(config.expert_quant), "none") if options.draft_quant == "auto" else (options.draft_quant,)
         experts = len(config.moe_layer_ids) * config.num_experts
         need = []
         for mode in modes:
             copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
             need.append(slots * expert_bytes + experts * copy + scratch)
-        return min(need)
+        return min(need) + expert_format(config, dtype).scratch_bytes(dtype)
 
     @classmethod
     def default_draft_experts(cls, config, slots: int) -> int:
@@ -90,7 +91,8 @@ class SpecMoEPolicy(OffloadPolicy):
         `auto` (the default) takes the most precise copies that leave room for the working
         slots: int8, else int4, else none (the paper's draft of resident experts only)."""
         opts = runtime.options
-        modes = ("int8", "int4") if opts.draft_quant == "auto" and opts.draft_compute == "device" else (opts.draft_quant,)
+        auto = opts.draft_quant == "auto" and opts.draft_compute == "device"
+        modes = draft_modes(runtime.config.expert_quant) if auto else (opts.draft_quant,)
         for mode in modes:
             if mode in ("none", "auto"):
                 break
