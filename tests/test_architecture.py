@@ -31,7 +31,7 @@ LAYERS = [
 COSTMODEL_MAY_USE = ("specmoe.base", "specmoe.costmodel")
 COSTMODEL_USERS = ("specmoe.autotune", "specmoe.tools", "specmoe.bench", "specmoe.costmodel")
 OPTIONAL = {"fastapi", "uvicorn", "starlette", "matplotlib", "rich", "ray", "transformers", "scipy", "httpx",
-            "llama_cpp", "gguf", "compressed_tensors", "selenium"}
+            "llama_cpp", "gguf", "compressed_tensors", "selenium", "llmcompressor", "datasets"}
 # project modules that exist to wrap an optional dependency (the FastAPI app)
 WRAPS_OPTIONAL = ("specmoe.server.app", "specmoe.server.graceful", "importlib.util")
 MAX_MODULE_LINES = 450
