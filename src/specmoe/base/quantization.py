@@ -198,9 +198,9 @@ def _compressed_tensors(qc: dict, spec: ExpertSpec, dtype: str, where: str) -> E
     elif (group.get("input_activations") or {}).get("dynamic") is False:
         problem = "statically quantized activations"
     if problem:
-        raise SpecMoEError(f"{where}: compressed-tensors {problem} in the experts' scheme is not supported; specmoe "
-                           "reads symmetric int4/int8/fp8 weights (W4A16, W8A16, FP8 presets): requantize with "
-                           "`specmoe quantize`")
+        raise SpecMoEError(f"{where}: the experts' compressed-tensors scheme has {problem}, which specmoe does not "
+                           "read; it reads symmetric int4 / int8 / fp8 weights (the W4A16, W8A16 and FP8 presets): "
+                           "requantize the float model with `specmoe quantize`")
     strategy, size = weights.get("strategy", "tensor"), weights.get("group_size")
     block = weights.get("block_structure")
     grids = {"group": lambda r, c: (1, int(size or c)), "channel": lambda r, c: (1, c),
