@@ -215,6 +215,13 @@ def _shards(ckpt: Checkpoint) -> list[str]:
 def _stream(ckpt: Checkpoint, out: Path, quantizer: MatrixQuantizer, progress: bool) -> dict:
     """Every shard rewritten tensor by tensor; the peak resident memory above the start measured."""
     readers = [SafetensorsReader(ckpt.dir / name) for name in _shards(ckpt)]
+    c = ckpt.config
+    shapes = {(c.expert_intermediate_size, c.hidden_size), (c.hidden_size, c.expert_intermediate_size)}
+    for reader in readers:
+        for name, entry in reader.entries.items():
+            if EXPERT_WEIGHT.search(name) and entry.shape not in shapes:
+                raise SpecMoEError(f"{reader.path}: expert tensor {name!r} has shape {list(entry.shape)}; config.json "
+                                   f"implies {' or '.join(str(list(s)) for s in sorted(shapes))}")
     plans = [[*_planned(r, quantizer)] for r in readers]
     total = sum(len(r.entries) for r in readers)
     largest = max(e.nbytes for r in readers for e in r.entries.values())
