@@ -215,3 +215,65 @@ def test_large_families_on_cuda_give_residents_tokens_under_every_policy(tiny_ck
         llm.generate(prompts, GREEDY)
         assert_policy_run_is_exact(llm.last_stats, sha, policy)
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_w4a16(tiny_ckpt, tmp_path_factory):
+    """The tiny Mixtral quantized by `specmoe quantize` (int4 experts, groups of 8)."""
+    pytest.importorskip("compressed_tensors")
+    from factories import to_compressed_tensors
+
+    return to_compressed_tensors(tiny_ckpt("mixtral", intermediate_size=256), tmp_path_factory.mktemp("w4") / "q",
+                                 "w4a16", group_size=8)
+
+
+def test_quantized_experts_on_cuda_give_the_resident_quantized_models_tokens(cuda_w4a16, tmp_path):
+    """The blob moves to the GPU's pool and is dequantized there: every policy's tokens
+    are the resident (quantized) model's on the GPU, and what moves is the blob."""
+    prompts = random_prompts(4, 128, 3, 12, seed=7)
+    shape = dict(model=str(cuda_w4a16), device="cuda", max_batch_size=4, max_model_len=32)
+    ref = LLM(**shape)
+    ref.generate(prompts, GREEDY)
+    sha, budget = ref.last_stats["token_ids_sha256"], expert_share_budget(ref, 0.5, 4, 32)
+    blob = ref.engine.policy.runtime.expert_bytes
+    ref.close()
+    assert blob == Checkpoint(cuda_w4a16).config.expert_quant.nbytes
+    for policy in POLICIES:
+        llm = LLM(**shape, policy=policy, offload="host", offload_dir=str(tmp_path), device_memory=budget)
+        llm.generate(prompts, GREEDY)
+        stats = llm.last_stats
+        assert_policy_run_is_exact(stats, sha, policy)
+        assert stats["transfer_bytes"] == blob * stats["experts_fetched"]
+        llm.close()
+
+
+def test_a_quantized_expert_computes_on_cuda_what_it_computes_on_the_cpu(cuda_w4a16):
+    from specmoe.experts.formats import QuantizedFormat
+
+    ckpt = Checkpoint(cuda_w4a16)
+    fmt = QuantizedFormat(ckpt.config.expert, ckpt.config.expert_quant)
+    blob, x = fmt.read(ckpt, 0, 3), torch.randn(6, ckpt.config.hidden_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = fmt.forward(blob, x.to(dtype)).float()
+        gpu = fmt.forward(blob.to(CUDA), x.to(dtype).to(CUDA)).float().cpu()
+        assert torch.allclose(gpu, cpu, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3), dtype
+
+
+def test_quantized_experts_stay_within_the_cuda_budget_with_their_scratch(cuda_w4a16, tmp_path):
+    """The dequantized matrix of the running expert is reserved in the ledger: the
+    allocator's peak stays within the budget plus one pass of activations."""
+    prompts = random_prompts(4, 128, 3, 8, seed=7)
+    kw = dict(model=str(cuda_w4a16), device="cuda", max_batch_size=4, max_model_len=32)
+    probe = LLM(**kw)
+    budget = expert_share_budget(probe, 0.5, 4, 32)
+    probe.close()
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(**kw, policy="ondemand", offload="host", offload_dir=str(tmp_path), device_memory=budget)
+    llm.generate(prompts, GREEDY)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    assert peak <= budget + cuda_activation_allowance(llm.config, sum(map(len, prompts)), 32)
+    llm.close()

@@ -311,3 +311,30 @@ def test_experts_a_compressed_tensors_config_targets_but_the_files_hold_in_float
     for got, want in zip(LLM(model=str(path), device="cpu").score(prompts),
                          LLM(model=str(tiny_ckpt("mixtral")), device="cpu").score(prompts)):
         assert torch.equal(got, want)
+
+
+def test_bfloat16_int4_experts_go_through_the_fused_kernel_and_compute_the_dequantized_expert():
+    """On the CPU in bfloat16, int4 matrices with bfloat16 scales are multiplied by torch's
+    fused int4 kernel without a dequantized copy; the result is the expert computed in
+    float32 from the dequantized weights, to bfloat16's precision."""
+    from specmoe.base.quantization import ExpertQuant, MatrixQuant
+    from specmoe.base.quantized_tensors import pack_blob
+    from specmoe.base.specs import ExpertSpec
+    from specmoe.experts.formats import dequantize, int4_kernel_applies
+    from specmoe.model.moe import expert_forward
+
+    spec = ExpertSpec(64, 32)
+    w_in, w_out = (MatrixQuant(r, c, "int4", 1, 32, "bfloat16") for r, c in ((64, 64), (64, 32)))
+    quant = ExpertQuant("int4", "compressed-tensors", w_in, w_out)
+    gen = torch.Generator().manual_seed(0)
+    parts = [(torch.randint(-8, 8, (m.rows, m.cols), generator=gen, dtype=torch.int8),
+              (torch.rand(m.scale_shape, generator=gen) * 0.02).to(torch.bfloat16)) for m in (w_in, w_out)]
+    fmt = QuantizedFormat(spec, quant)
+    blob = pack_blob(quant, *parts)
+    x = torch.randn(5, 64, generator=gen)
+    assert int4_kernel_applies(w_in, x.bfloat16()) and not int4_kernel_applies(w_in, x)
+    dense = [dequantize(fmt.section(blob, f"{n}.codes"), fmt.section(blob, f"{n}.scales"), m, torch.float32)
+             for n, m in (("w_in", w_in), ("w_out", w_out))]
+    want = expert_forward(spec, x, lambda t: t @ dense[0].t(), lambda t: t @ dense[1].t())
+    assert torch.allclose(fmt.forward(blob, x), want, atol=1e-5, rtol=1e-5)  # float32: the dequantizing path
+    assert torch.allclose(fmt.forward(blob, x.bfloat16()).float(), want, atol=2e-2 * want.abs().max(), rtol=0)
