@@ -373,6 +373,18 @@ def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
     return fp8, reference
 
 
+def to_bfloat16(src, out_dir) -> Path:
+    """A copy of a (single-file) checkpoint with every float tensor in bfloat16, as most are released."""
+    import shutil
+
+    out = Path(out_dir)
+    shutil.copytree(src, out)
+    _rewrite(out, lambda tensors: tensors.update({k: t.to(torch.bfloat16) for k, t in tensors.items()
+                                                  if t.is_floating_point()}))
+    (out / "config.json").write_text(json.dumps({**read_config(out), "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    return out
+
+
 def to_compressed_tensors(src, out_dir, scheme: str, group_size: int = 8) -> Path:
     """`specmoe quantize`'s checkpoint of `src`: w4a16 / w8a16 (int, one scale per
     `group_size` input columns) or fp8 (one scale per row)."""

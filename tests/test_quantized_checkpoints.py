@@ -314,13 +314,13 @@ def test_experts_a_compressed_tensors_config_targets_but_the_files_hold_in_float
 
 
 def test_bfloat16_int4_experts_go_through_the_fused_kernel_and_compute_the_dequantized_expert():
-    """On the CPU in bfloat16, int4 matrices with bfloat16 scales are multiplied by torch's
-    fused int4 kernel without a dequantized copy; the result is the expert computed in
-    float32 from the dequantized weights, to bfloat16's precision."""
+    """On the CPU in bfloat16, int4 matrices with bfloat16 scales enter their slot in the
+    layout of torch's fused int4 kernel and multiply without a dequantized copy; the result
+    is the expert computed in float32 from the dequantized weights, to bfloat16's precision."""
     from specmoe.base.quantization import ExpertQuant, MatrixQuant
     from specmoe.base.quantized_tensors import pack_blob
     from specmoe.base.specs import ExpertSpec
-    from specmoe.experts.formats import dequantize, int4_kernel_applies
+    from specmoe.experts.formats import dequantize
     from specmoe.model.moe import expert_forward
 
     spec = ExpertSpec(64, 32)
@@ -329,12 +329,38 @@ def test_bfloat16_int4_experts_go_through_the_fused_kernel_and_compute_the_dequa
     gen = torch.Generator().manual_seed(0)
     parts = [(torch.randint(-8, 8, (m.rows, m.cols), generator=gen, dtype=torch.int8),
               (torch.rand(m.scale_shape, generator=gen) * 0.02).to(torch.bfloat16)) for m in (w_in, w_out)]
-    fmt = QuantizedFormat(spec, quant)
     blob = pack_blob(quant, *parts)
+    plain, kernel = QuantizedFormat(spec, quant, "cpu", torch.float32), QuantizedFormat(spec, quant, "cpu", torch.bfloat16)
+    assert kernel.converts and not plain.converts and kernel.scratch_bytes(torch.bfloat16) == 0
+    slot = torch.empty(kernel.slot_numel, dtype=kernel.slot_dtype)
+    kernel.prepare(blob, slot)
     x = torch.randn(5, 64, generator=gen)
-    assert int4_kernel_applies(w_in, x.bfloat16()) and not int4_kernel_applies(w_in, x)
-    dense = [dequantize(fmt.section(blob, f"{n}.codes"), fmt.section(blob, f"{n}.scales"), m, torch.float32)
+    dense = [dequantize(plain.section(blob, f"{n}.codes"), plain.section(blob, f"{n}.scales"), m, torch.float32)
              for n, m in (("w_in", w_in), ("w_out", w_out))]
     want = expert_forward(spec, x, lambda t: t @ dense[0].t(), lambda t: t @ dense[1].t())
-    assert torch.allclose(fmt.forward(blob, x), want, atol=1e-5, rtol=1e-5)  # float32: the dequantizing path
-    assert torch.allclose(fmt.forward(blob, x.bfloat16()).float(), want, atol=2e-2 * want.abs().max(), rtol=0)
+    assert torch.allclose(plain.forward(blob, x), want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(kernel.forward(slot, x.bfloat16()).float(), want, atol=2e-2 * want.abs().max(), rtol=0)
+
+
+def test_bfloat16_int4_slots_hold_the_kernel_layout_and_offloading_gives_residents_tokens(tiny_ckpt, tmp_path):
+    """A bfloat16 checkpoint quantized to w4a16 (bfloat16 scales), run in bfloat16 on the
+    CPU: experts are converted for the fused kernel as they enter their slot (on the
+    transfer thread), fetches still move the blob, and offloading gives resident's tokens."""
+    from factories import to_bfloat16
+
+    src = to_bfloat16(tiny_ckpt("mixtral", intermediate_size=64), tmp_path / "bf16")
+    path = to_compressed_tensors(src, tmp_path / "w4", "w4a16", group_size=32)
+    prompts = random_prompts(4, VOCAB, 3, 16, seed=5)
+    shape = dict(model=str(path), device="cpu", dtype="bfloat16", max_batch_size=4, max_model_len=48)
+    ref = LLM(**shape)
+    ref.generate(prompts, GREEDY)
+    assert ref.engine.policy.format.converts
+    for policy in ("ondemand", "caching"):
+        llm = LLM(**shape, policy=policy, device_memory="50%", offload_dir=str(tmp_path))
+        llm.generate(prompts, GREEDY)
+        stats, pool = llm.last_stats, llm.engine.policy.pool
+        assert pool.format.converts and pool.slot_bytes > pool.expert_bytes == Checkpoint(path).config.expert_quant.nbytes
+        assert stats["transfer_bytes"] == pool.expert_bytes * stats["experts_fetched"] > 0
+        assert stats["token_ids_sha256"] == ref.last_stats["token_ids_sha256"]
+        llm.close()
+    ref.close()

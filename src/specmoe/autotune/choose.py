@@ -154,7 +154,7 @@ def _quantized_draft(runtime) -> str | None:
     for mode in draft_modes(c.expert_quant):
         copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
         need = copy * len(runtime.expert_keys) + scratch
-        if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
+        if free is None or free >= need + WORKING_SLOTS * runtime.slot_bytes:
             return mode
     return None
 
@@ -169,6 +169,6 @@ def _plan_memory(runtime, available):
 def _lru_slots(runtime, available) -> int:
     """Pool slots the caching policy would run as an LRU beside its pinned hot set."""
     total = len(runtime.expert_keys)
-    slots = total if available is None else min(total, available // runtime.expert_bytes)
+    slots = total if available is None else min(total, available // runtime.slot_bytes)
     hot = CachingPolicy.hot_per_block(runtime.config, runtime.options.cache_fraction) * len(runtime.config.moe_layer_ids)
     return max(0, slots - hot)

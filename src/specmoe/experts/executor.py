@@ -117,9 +117,9 @@ class BlockExecutor:
         weights = self.store.host_tensor(key)
         self.counters.host_tokens += xs.shape[0]
         if xs.device.type == "cpu":
-            return self.format.forward(weights, xs)
+            return self.format.forward_stored(weights, xs)
         self.counters.activation_bytes += 2 * xs.numel() * xs.element_size()
-        return self.format.forward(weights, xs.cpu()).to(xs.device)
+        return self.format.forward_stored(weights, xs.cpu()).to(xs.device)
 
     def evict_layer(self, layer: int) -> None:
         table = self.pool.table

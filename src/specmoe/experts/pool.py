@@ -84,7 +84,7 @@ class DevicePool:
 
     def __init__(self, num_slots: int, fmt: ExpertFormat, device: torch.device, budget: DeviceBudget,
                  policy_name: str, min_slots: int):
-        expert_bytes = fmt.nbytes
+        expert_bytes = fmt.slot_bytes
         if num_slots < min_slots:
             raise SpecMoEError(
                 f"device memory {format_bytes(budget.limit or 0)} leaves room for {num_slots} experts; policy "
@@ -93,8 +93,10 @@ class DevicePool:
             )
         budget.reserve("expert pool", num_slots * expert_bytes)
         self.table = SlotTable(num_slots)
-        self.buffers = torch.empty(num_slots, fmt.numel, dtype=fmt.storage_dtype, device=device)
-        self.expert_bytes = expert_bytes
+        self.buffers = torch.empty(num_slots, fmt.slot_numel, dtype=fmt.slot_dtype, device=device)
+        self.format = fmt
+        self.slot_bytes = expert_bytes
+        self.expert_bytes = fmt.nbytes  # what a fetch into a slot moves
 
     @property
     def num_slots(self) -> int:

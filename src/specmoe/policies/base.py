@@ -46,11 +46,17 @@ class Runtime:
     @property
     def expert_format(self) -> ExpertFormat:
         """How experts are held and moved: the checkpoint's quantized blobs, or the compute dtype."""
-        return expert_format(self.config, self.dtype)
+        return expert_format(self.config, self.dtype, self.device)
 
     @property
     def expert_bytes(self) -> int:
+        """What one fetch moves."""
         return self.expert_format.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one expert takes in the device pool."""
+        return self.expert_format.slot_bytes
 
     @property
     def expert_keys(self) -> list[tuple[int, int]]:
@@ -76,8 +82,9 @@ class Policy:
     @classmethod
     def min_device_bytes(cls, config, options, expert_bytes: int, device, dtype) -> int:
         """Device bytes the policy needs beside the weights and the KV cache to run at all:
-        its slots, and the scratch a quantized expert dequantizes into."""
-        return cls.min_slots(config, options) * expert_bytes + expert_format(config, dtype).scratch_bytes(dtype)
+        its slots (`expert_bytes` each: a pool slot's size), and the scratch a quantized
+        expert dequantizes into."""
+        return cls.min_slots(config, options) * expert_bytes + expert_format(config, dtype, device).scratch_bytes(dtype)
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime

@@ -38,7 +38,7 @@ class OffloadPolicy(Policy):
             opts.offload_dir, opts.offload_bandwidth,
         )
         reserve_scratch(runtime)
-        slots = slots_for_budget(runtime.budget, fmt.nbytes, len(runtime.expert_keys), self.pool_slots_wanted())
+        slots = slots_for_budget(runtime.budget, fmt.slot_bytes, len(runtime.expert_keys), self.pool_slots_wanted())
         self.pool = DevicePool(slots, fmt, runtime.device, runtime.budget, self.name, self.min_slots(c, opts))
         self.transfer = TransferEngine(self.store, self.pool, runtime.device)
         self.blocks = BlockExecutor(self.store, self.pool, self.transfer, fmt)

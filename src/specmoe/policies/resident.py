@@ -17,16 +17,21 @@ class ResidentPolicy(Policy):
         self.format = fmt = runtime.expert_format
         reserve_scratch(runtime)
         runtime.budget.reserve(
-            "experts", runtime.expert_bytes * len(runtime.expert_keys),
+            "experts", runtime.slot_bytes * len(runtime.expert_keys),
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
         self.experts: dict[int, list[torch.Tensor]] = {
             layer: [
-                fmt.read(runtime.checkpoint, layer, e).to(runtime.device)
+                self._slot(fmt.read(runtime.checkpoint, layer, e))
                 for e in range(c.num_experts)
             ]
             for layer in c.moe_layer_ids
         }
+
+    def _slot(self, stored: torch.Tensor) -> torch.Tensor:
+        slot = torch.empty(self.format.slot_numel, dtype=self.format.slot_dtype, device=self.runtime.device)
+        self.format.prepare(stored, slot)
+        return slot
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         c = self.config

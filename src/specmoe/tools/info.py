@@ -14,6 +14,7 @@ from ..base.paths import default_model_dir, offload_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
+from ..experts.formats import expert_format
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -96,7 +97,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         else:
             budget = int(info["non_expert_bytes"] + kv + share * info["expert_bytes_total"])
         free = budget - info["non_expert_bytes"] - kv
-        fit = max(0, int(free // expert_bytes))
+        slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes  # a pool slot: about one expert
+        fit = max(0, int(free // slot))
         per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
         info["device_memory"] = budget
         info["kv_reserved_bytes"] = kv

@@ -56,7 +56,7 @@ class SpecMoEPolicy(OffloadPolicy):
             copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
             need.append(slots * expert_bytes + experts * copy + scratch)
-        return min(need) + expert_format(config, dtype).scratch_bytes(dtype)
+        return min(need) + expert_format(config, dtype, device).scratch_bytes(dtype)
 
     @classmethod
     def default_draft_experts(cls, config, slots: int) -> int:
@@ -98,7 +98,7 @@ class SpecMoEPolicy(OffloadPolicy):
                 break
             quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, mode, runtime.dtype, cache, runtime.device)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
-            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.expert_bytes:
+            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes:
                 continue  # does not fit beside the working slots: try fewer bits
             runtime.budget.reserve(
                 "quantized draft experts", quantized.nbytes,
@@ -124,7 +124,7 @@ class SpecMoEPolicy(OffloadPolicy):
         s.update(
             draft_set=opts.draft_set, substitution=opts.substitution, draft_compute=opts.draft_compute,
             draft_quant=self.draft_quant,
-            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.expert_bytes,
+            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.slot_bytes,
             draft_quantized_bytes=self.quantized_bytes,
             refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
