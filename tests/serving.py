@@ -16,15 +16,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_process(engine, model_name: str):
-    """The app over `engine`, served by uvicorn on a thread of this process; yields its URL."""
+def serve_in_process(engine, model_name: str, **app_options):
+    """The app over `engine` (`create_app` options: api_key, ui), served by uvicorn on a
+    thread of this process; yields its URL."""
     import uvicorn
 
     from specmoe.server.app import create_app
     from specmoe.server.command import bind
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

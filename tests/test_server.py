@@ -71,7 +71,7 @@ def server(model_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "specmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--device", "cpu", "--api-key", API_KEY, "--max-batch-size", "32"],
+             "--device", "cpu", "--api-key", API_KEY, "--max-batch-size", "32", "--no-ui"],
             stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
@@ -123,6 +123,10 @@ def metric(http, name: str, **labels) -> float:
 
 
 # --- the happy paths ---------------------------------------------------------------------------
+
+
+def test_no_ui_flag_leaves_no_page_at_the_root(http):
+    assert [http.get(path).status_code for path in ("/", "/ui/info")] == [404, 404]
 
 
 def test_models_lists_the_model_directory_name(client):

@@ -28,14 +28,17 @@ def build(tiny_ckpt, tmp_path, **options) -> LLM:
 
 
 def serve(engine, view: LiveView, steps: list | None = None) -> None:
-    """Run three greedy requests to the end, ticking the view after every step like the engine loop."""
+    """Run three greedy requests to the end, ticking the view after every step like the engine loop;
+    `steps` gets (trace records so far, the view's capture, pool slots in use) after each step."""
     for prompt in random_prompts(3, min_len=4, max_len=10):
         engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0))
     while engine.scheduler.has_work:
         engine.step()
         view.tick(engine)
         if steps is not None:
-            steps.append((engine.tracer.step, view.latest))
+            pool = getattr(engine.policy, "pool", None)
+            in_use = pool.num_slots - len(pool.table.free) if pool else None
+            steps.append((engine.tracer.step, view.latest, in_use))
 
 
 def cells(state: list[list[int]], blocks: list[int], bit: int) -> set:
@@ -97,7 +100,7 @@ def test_ondemand_map_marks_every_routed_expert_fetched_and_keeps_none(tiny_ckpt
     llm.close()
     _, records = read_trace(tmp_path / "trace.jsonl")
     start = 0
-    for end, latest in steps:
+    for end, latest, _ in steps:
         routed = {(lr.layer, e) for r in records[start:end] for lr in r.layers for e, n in lr.expert_tokens.items() if n}
         blocks = latest["blocks"]
         assert cells(latest["state"], blocks, FETCHED) == routed
@@ -115,16 +118,16 @@ def test_specmoe_map_shows_the_draft_sets_pinned_in_the_pool(tiny_ckpt, tmp_path
     llm.close()
     _, records = read_trace(tmp_path / "trace.jsonl")
     start = 0
-    for end, latest in steps:
+    for end, latest, in_use in steps:
         blocks, state = latest["blocks"], latest["state"]
         draft, device = cells(state, blocks, DRAFT), cells(state, blocks, DEVICE)
         assert len(draft) == 2 * len(blocks) and draft <= device
-        assert len(device) <= latest["pool_slots"]
+        assert len(device) == in_use <= latest["pool_slots"]
         # what the trace saw each pass fetch (a refresh after verification may fetch more)
         traced = {(lr.layer, e) for r in records[start:end] for lr in r.layers for e in lr.fetched}
         assert traced <= cells(state, blocks, FETCHED)
         start = end
-    assert any(cells(latest["state"], latest["blocks"], FETCHED) for _, latest in steps)
+    assert any(cells(latest["state"], latest["blocks"], FETCHED) for _, latest, _ in steps)
 
 
 def test_memory_ledger_is_the_device_budget(tiny_ckpt, tmp_path):
