@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -19,11 +20,12 @@ from specmoe.base.trace import read_trace  # noqa: E402
 from specmoe.server.live import DEVICE, DRAFT, FETCHED, LiveEvents, LiveView, RateWindow, expert_states  # noqa: E402
 from specmoe.server.loop import ServerStats  # noqa: E402
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
 SPECMOE = dict(policy="specmoe", offload="host", device_memory="50%", draft_quant="none", draft_experts=2, gamma=3)
 
 
-def build(tiny_ckpt, tmp_path, **options) -> LLM:
-    return LLM(model=str(tiny_ckpt("mixtral")), device="cpu", max_batch_size=4, max_model_len=64,
+def build(tiny_ckpt, tmp_path, device="cpu", **options) -> LLM:
+    return LLM(model=str(tiny_ckpt("mixtral")), device=device, max_batch_size=4, max_model_len=64,
                trace=str(tmp_path / "trace.jsonl"), **options)
 
 
@@ -64,8 +66,9 @@ def test_the_engine_stops_counting_when_the_last_page_leaves(tiny_ckpt, tmp_path
     llm.close()
 
 
-def test_load_is_what_the_full_model_routed_as_the_trace_records_it(tiny_ckpt, tmp_path):
-    llm = build(tiny_ckpt, tmp_path, **SPECMOE)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_load_is_what_the_full_model_routed_as_the_trace_records_it(tiny_ckpt, tmp_path, device):
+    llm = build(tiny_ckpt, tmp_path, device, **SPECMOE)
     view = LiveView(interval_s=0)  # a capture after every step: their loads add up to the whole run
     view.watch()
     view.capture(llm.engine)
