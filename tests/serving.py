@@ -4,6 +4,8 @@ waiting for a server subprocess to answer /health."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -55,3 +57,26 @@ def wait_until_healthy(url: str, proc, log_path, timeout_s: float) -> None:
         assert time.monotonic() < deadline, f"the server did not answer /health within {timeout_s} s:\n" \
             f"{log_path.read_text()}"
         time.sleep(0.2)
+
+
+@contextmanager
+def serve_subprocess(serve_args: list[str], log_path, timeout_s: float):
+    """`specmoe serve` with `serve_args` in a subprocess on a free loopback port; yields its URL.
+    Stops it afterwards and fails if its log shows a traceback."""
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "specmoe.cli", "serve", "--port", str(port), *serve_args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(url, proc, log_path, timeout_s)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log_text = log_path.read_text()
+    assert "Traceback" not in log_text, log_text

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import re
 import string
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
 from factories import make_checkpoint  # noqa: E402
-from serving import free_port, serve_in_process, wait_until_healthy  # noqa: E402
+from serving import serve_in_process, serve_subprocess  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 
@@ -66,29 +64,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server-log") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-             "--device", "cpu", "--api-key", API_KEY, "--max-batch-size", "32", "--no-ui"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, proc, log_path, STARTUP_TIMEOUT_S)
-    except AssertionError:
-        proc.kill()
-        raise
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log_text = log_path.read_text()
-    assert "Traceback" not in log_text, log_text
+    args = ["--model", str(model_dir), "--device", "cpu", "--api-key", API_KEY, "--max-batch-size", "32", "--no-ui"]
+    with serve_subprocess(args, tmp_path_factory.mktemp("server-log") / "server.log", STARTUP_TIMEOUT_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,18 @@ def serve(engine, view: LiveView, steps: list | None = None) -> None:
             steps.append((engine.tracer.step, view.latest, in_use))
 
 
+def watched_run(llm: LLM, tmp_path) -> tuple[list, list]:
+    """A page watches from the start (a capture after every step) while `serve` runs; the
+    steps' (trace records so far, capture, pool slots in use) and the trace's records."""
+    view = LiveView(interval_s=0)
+    view.watch()
+    view.capture(llm.engine)
+    steps: list = []
+    serve(llm.engine, view, steps)
+    llm.close()
+    return steps, read_trace(tmp_path / "trace.jsonl")[1]
+
+
 def cells(state: list[list[int]], blocks: list[int], bit: int) -> set:
     return {(layer, e) for layer, row in zip(blocks, state) for e, s in enumerate(row) if s & bit}
 
@@ -94,17 +106,12 @@ def test_load_is_what_the_full_model_routed_as_the_trace_records_it(tiny_ckpt, t
 
 def test_ondemand_map_marks_every_routed_expert_fetched_and_keeps_none(tiny_ckpt, tmp_path):
     # ondemand empties each block after it runs: a step fetches exactly what it routes
-    llm = build(tiny_ckpt, tmp_path, policy="ondemand", offload="host", device_memory="50%")
-    view = LiveView(interval_s=0)
-    view.watch()
-    view.capture(llm.engine)
-    steps: list = []
-    serve(llm.engine, view, steps)
-    llm.close()
-    _, records = read_trace(tmp_path / "trace.jsonl")
+    steps, records = watched_run(build(tiny_ckpt, tmp_path, policy="ondemand", offload="host", device_memory="50%"),
+                                 tmp_path)
     start = 0
     for end, latest, _ in steps:
-        routed = {(lr.layer, e) for r in records[start:end] for lr in r.layers for e, n in lr.expert_tokens.items() if n}
+        routed = {(lr.layer, e) for r in records[start:end] for lr in r.layers
+                  for e, n in lr.expert_tokens.items() if n}
         blocks = latest["blocks"]
         assert cells(latest["state"], blocks, FETCHED) == routed
         assert cells(latest["state"], blocks, DEVICE | DRAFT) == set()
@@ -112,14 +119,7 @@ def test_ondemand_map_marks_every_routed_expert_fetched_and_keeps_none(tiny_ckpt
 
 
 def test_specmoe_map_shows_the_draft_sets_pinned_in_the_pool(tiny_ckpt, tmp_path):
-    llm = build(tiny_ckpt, tmp_path, **SPECMOE)
-    view = LiveView(interval_s=0)
-    view.watch()
-    view.capture(llm.engine)
-    steps: list = []
-    serve(llm.engine, view, steps)
-    llm.close()
-    _, records = read_trace(tmp_path / "trace.jsonl")
+    steps, records = watched_run(build(tiny_ckpt, tmp_path, **SPECMOE), tmp_path)
     start = 0
     for end, latest, in_use in steps:
         blocks, state = latest["blocks"], latest["state"]

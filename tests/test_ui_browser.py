@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ pytest.importorskip("fastapi")
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-from serving import free_port, wait_until_healthy  # noqa: E402
+from serving import serve_subprocess  # noqa: E402
 
 KEY = "browser-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -44,27 +42,10 @@ CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("ui-server") / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specmoe.cli", "serve", "--device", "cpu", "--port", str(port), "--api-key", KEY,
-             "--policy", "specmoe", "--offload", "disk", "--device-memory", "40%", "--draft-quant", "none",
-             "--draft-experts", str(DRAFT_EXPERTS), "--max-batch-size", "16"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(url, proc, log_path, timeout_s=180)
+    args = ["--device", "cpu", "--api-key", KEY, "--policy", "specmoe", "--offload", "disk", "--device-memory", "40%",
+            "--draft-quant", "none", "--draft-experts", str(DRAFT_EXPERTS), "--max-batch-size", "16"]
+    with serve_subprocess(args, tmp_path_factory.mktemp("ui-server") / "server.log", timeout_s=180) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert "Traceback" not in log_path.read_text(), log_path.read_text()
 
 
 @pytest.fixture(scope="module")

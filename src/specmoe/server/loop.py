@@ -228,7 +228,8 @@ class EngineLoop:
             # The state of the sequences in this step is unknown: fail them, keep serving.
             log.exception("an engine step failed; failing the %d requests in it", len(self._active))
             self._fail_all(f"the engine failed while generating: {exc}")
-        stepped = [(rid, h) for rid, h in self._active.items() if len(h.seq.output_ids) > h.tokens_sent or h.seq.finished]
+        stepped = [(rid, h) for rid, h in self._active.items()
+                   if len(h.seq.output_ids) > h.tokens_sent or h.seq.finished]
         share = (moved_bytes(self.engine.policy) - moved) / max(1, len(stepped))  # a fetch serves the whole batch
         batches: dict = {}
         for rid, handle in stepped:
