@@ -34,7 +34,7 @@ from serving import serve_subprocess  # noqa: E402
 KEY = "browser-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 DRAFT_EXPERTS, BLOCKS = 4, 8  # the demo model has 8 MoE blocks of 16 experts
-BATCH, BATCH_TOKENS = 12, 32
+BATCH, BATCH_TOKENS = 8, 24
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.jsonl"
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,900")
@@ -127,7 +127,7 @@ def test_with_the_key_the_page_loads_without_console_errors(server, browser):
 
 def test_a_prompt_streams_the_apis_greedy_output(server, browser, http):
     prompt = "The built-in function len returns"
-    type_prompt(browser, prompt, 32)
+    type_prompt(browser, prompt, 16)
     # note the answer's length at each change, as it happens, independently of the page's own code
     browser.execute_script("""
         window.lengthsSeen = new Set();
@@ -138,7 +138,7 @@ def test_a_prompt_streams_the_apis_greedy_output(server, browser, http):
     browser.find_element(By.ID, "send").click()
     wait_for(browser, "document.querySelector('.exchange:last-child .answer').dataset.state === 'done'")
     shown = js(browser, "document.querySelector('.exchange:last-child .answer .text').textContent")
-    api = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32, "temperature": 0}).json()
+    api = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "temperature": 0}).json()
     assert shown == api["choices"][0]["text"] and shown
     assert js(browser, "window.lengthsSeen.size") >= 3  # the text arrived in pieces, not at the end
     stats = js(browser, "document.querySelector('.exchange:last-child .answer-stats').textContent")
