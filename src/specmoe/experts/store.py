@@ -123,7 +123,8 @@ class DiskStore(ExpertStore):
                     return manifest["crc32"]
             except (ValueError, KeyError):
                 pass  # rewrite a manifest we cannot trust
-        tmp = self.path.with_suffix(".tmp")
+        # one temporary file per process: replicas on one machine may write the same blob file at once
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         checksums = []
         blob = bytearray(self.blob_size)
         with open(tmp, "wb") as f:
@@ -136,7 +137,9 @@ class DiskStore(ExpertStore):
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
         manifest = {"keys": [list(k) for k in self.keys], "blob_size": self.blob_size, "nbytes": self.nbytes, "crc32": checksums}
-        self.manifest_path.write_text(json.dumps(manifest))
+        tmp = self.manifest_path.with_suffix(f".json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(manifest))
+        os.replace(tmp, self.manifest_path)  # a replica reading it meanwhile sees the old one or the new one
         return checksums
 
     def _bounce(self) -> mmap.mmap:
