@@ -146,7 +146,7 @@ def test_gpu_clusters_get_one_gpu_per_replica():
 
 def test_cpu_replicas_share_the_cpus_and_use_that_many_threads():
     resources = replica_resources(ReplicaOptions(2), "auto", {"CPU": 16})
-    assert resources == {"num_cpus": 8} and cpu_threads(resources, None) == 8
+    assert resources == {"num_cpus": 8} and cpu_threads(resources, None) == 4  # as one engine: half its CPUs
     assert cpu_threads(replica_resources(ReplicaOptions(2, 0.5), "cpu", {"CPU": 2, "GPU": 1}), None) == 1
     assert cpu_threads(resources, 3) == 3
     with pytest.raises(SpecMoEError, match="2 replicas x 1.5 CPUs exceed the Ray cluster's 2 CPUs"):

@@ -56,11 +56,12 @@ def replica_resources(options: ReplicaOptions, device: str, cluster: dict) -> di
 
 
 def cpu_threads(resources: dict, threads: int | None) -> int | None:
-    """Compute threads of a CPU replica: its CPUs, so that replicas on one node do not
-    fight over cores (an explicit --threads wins; GPU replicas keep the engine's default)."""
+    """Compute threads of a CPU replica: half its CPUs, as one engine takes half the
+    machine's (the rest move experts), so that replicas on one node do not fight over
+    cores. An explicit --threads wins; GPU replicas keep the engine's default."""
     if threads is not None or "num_gpus" in resources:
         return threads
-    return max(1, int(resources["num_cpus"]))
+    return max(1, int(resources["num_cpus"]) // 2)
 
 
 @contextmanager
