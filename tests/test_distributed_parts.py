@@ -43,7 +43,7 @@ def test_chunks_alternate_between_replicas_up_to_the_depth_each():
 
 def test_results_leave_in_input_order_whatever_order_they_finish_in():
     schedule = schedule_of(12, 2, replicas=3, depth=2)
-    sent = dict((chunk.index, (replica, chunk)) for replica, chunk in schedule.assign())
+    sent = {chunk.index: (replica, chunk) for replica, chunk in schedule.assign()}
     order = [3, 1, 5, 0, 2, 4]
     released = []
     for index in order:

@@ -29,7 +29,7 @@ from ..base.errors import SpecMoEError
 from ..flags import engine_options
 from ..server import metrics
 from ..server.app import create_app
-from ..server.command import LOOPBACK, bind, model_name
+from ..server.command import bind, model_name, served_url, warn_if_open
 from .cluster import connect, cpu_threads, replica_resources, require_ray
 from .options import ReplicaOptions
 
@@ -159,7 +159,7 @@ def run_serve(args) -> int:
     EngineConfig.from_kwargs(**options)  # a bad flag fails before Ray starts
     api_key = args.api_key or os.environ.get("SPECMOE_API_KEY") or None
     sock = bind(args.host, args.port)  # a busy port fails fast; Serve's proxy binds it again
-    port = sock.getsockname()[1]
+    host, port = sock.getsockname()[:2]
     sock.close()
     name, model = model_name(args), args.model and str(Path(args.model).resolve())
     started = connect(args.ray_address)
@@ -167,12 +167,10 @@ def run_serve(args) -> int:
     try:
         start_serving(model, options, placement, name=name, host=args.host, port=port, api_key=api_key,
                       access_log=args.access_log)
-        print(f"specmoe: serving {name} at http://{args.host}:{port}/v1 on {args.replicas} replicas "
+        print(f"specmoe: serving {name} at {served_url(host, port)} on {args.replicas} replicas "
               f"(policy {args.policy}, batch up to {args.max_batch_size} each"
               f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-        if args.host not in LOOPBACK and not api_key:
-            print(f"specmoe: warning: listening on {args.host} without --api-key: anyone who can reach this port "
-                  "can use the model", file=sys.stderr, flush=True)
+        warn_if_open(args.host, api_key)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -59,7 +59,7 @@ def combine(parts: list[ServerStats], live: list[bool]) -> ServerStats:
     """Several servers' stats as one: counters added up over all of them (a replica that
     was replaced keeps counting, so no counter goes down), the state now over the live ones."""
     total = ServerStats()
-    for name, value in vars(total).items():
+    for name in list(vars(total)):
         if name != "snapshot" and not name.startswith("_"):
             setattr(total, name, _add([getattr(p, name) for p in parts]))
     snapshots = {f.name: [getattr(p.snapshot, f.name) for p in parts] for f in dataclasses.fields(Snapshot)}
