@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
@@ -128,6 +129,15 @@ def test_a_budget_too_small_is_the_replicas_one_line_error(cluster, model_dir):
     with pytest.raises(SpecMoEError, match="raise --device-memory to at least"):
         ReplicatedLLM(str(model_dir), replicas=1, replica_cpus=REPLICA_CPUS,
                       **{**ENGINE, "device_memory": "1KiB"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_replica_on_a_gpu_gets_one_and_matches_one_engine_there(cluster, model_dir):
+    want = LLM(model=str(model_dir), **{**ENGINE, "device": "cuda"}).generate(PROMPTS, GREEDY)
+    with ReplicatedLLM(str(model_dir), replicas=1, **{**ENGINE, "device": "auto"}) as llm:
+        device = ray.get(llm.replicas[0].__ray_call__.remote(lambda replica: str(replica.llm.engine.device)))
+        assert device.startswith("cuda")  # Ray gave the replica a GPU and the engine took it
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == token_ids(want)
 
 
 # --- online: Ray Serve --------------------------------------------------------------------------
