@@ -24,8 +24,8 @@ from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
-from .gamma import MAX_GAMMA
 from .expert_load import ExpertLoad
+from .gamma import MAX_GAMMA
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token
 from .scheduler import Scheduler

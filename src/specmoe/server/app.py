@@ -17,6 +17,7 @@ import hmac
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,6 @@ from ..base.errors import SpecMoEError
 from . import metrics, openapi, tokens
 from .logprobs import LogprobsWriter, merge
 from .loop import EngineLoop, RequestHandle
-from .ui import ui_router
 from .protocol import (
     MAX_BODY_BYTES,
     APIError,
@@ -45,6 +45,7 @@ from .protocol import (
     sse,
     usage,
 )
+from .ui import ui_router
 
 log = logging.getLogger("specmoe.server")
 
@@ -62,17 +63,20 @@ class Served:
     max_body_bytes: int = MAX_BODY_BYTES
     started: int = field(default_factory=lambda: int(time.time()))  # the model card's `created`
     http_errors: Counter[int] = field(default_factory=Counter)  # error responses by status, for /metrics
+    # a replica of several (specmoe serve --replicas): async (served) -> the /metrics text of them all
+    cluster_metrics: Callable[[Served], Awaitable[str]] | None = None
 
 
 def create_app(engine, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True, cluster_metrics=None) -> FastAPI:
     """The app serving `engine` under `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`;
-    with `ui`, the web page is at / (server/ui.py)."""
-    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes)
+    with `ui`, the web page is at / (server/ui.py); `cluster_metrics` adds other replicas' counters to /metrics."""
+    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes, cluster_metrics=cluster_metrics)
     app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.openapi = lambda: openapi.document(model_name)  # written out: the handlers read raw bodies
     app.state.engine_loop = served.loop
+    app.state.served = served
     add_error_handlers(app, served)
     app.include_router(v1_router(served))
     app.include_router(tokenizer_router(served))
@@ -218,7 +222,10 @@ def add_operations_routes(app: FastAPI, served: Served) -> None:
 
     @app.get("/metrics")
     async def get_metrics():
-        text = metrics.render(loop.stats, dict(served.http_errors), served.model_name)
+        if served.cluster_metrics is not None:
+            text = await served.cluster_metrics(served)
+        else:
+            text = metrics.render(loop.stats, dict(served.http_errors), served.model_name)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
 

@@ -197,7 +197,8 @@ class EngineLoop:
         except BaseException as exc:  # keep the reason for /health and the log
             self.error = exc
             log.exception("the engine loop stopped")
-            self._fail_all(lambda: engine_error("the engine loop stopped: " + str(exc)))
+            message = "the engine loop stopped: " + str(exc)
+            self._fail_all(lambda: engine_error(message))
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when idle. False: stop."""
@@ -243,7 +244,8 @@ class EngineLoop:
         except Exception as exc:
             # The state of the sequences in this step is unknown: fail them, keep serving.
             log.exception("an engine step failed; failing the %d requests in it", len(self._active))
-            self._fail_all(lambda: engine_error(f"the engine failed while generating: {exc}"))
+            message = f"the engine failed while generating: {exc}"
+            self._fail_all(lambda: engine_error(message))
         stepped = [(rid, h) for rid, h in self._active.items()
                    if len(h.seq.output_ids) > h.tokens_sent or h.seq.finished]
         share = (moved_bytes(self.engine.policy) - moved) / max(1, len(stepped))  # a fetch serves the whole batch
