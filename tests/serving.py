@@ -30,15 +30,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_process(engine, model_name: str):
-    """The app over `engine`, served by uvicorn on a thread of this process; yields its URL."""
+def serve_in_process(engine, model_name: str, **app_options):
+    """The app over `engine` (`create_app` options: api_key, ui), served by uvicorn on a
+    thread of this process; yields its URL."""
     import uvicorn
 
     from specmoe.server.app import create_app
     from specmoe.server.command import bind
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_name, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -99,14 +100,14 @@ def served_checkpoint(directory: Path) -> Path:
 class ServeProcess:
     """`specmoe serve --model DIR FLAGS...` in a subprocess on a free loopback port, ready once constructed."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *flags: str):
+    def __init__(self, model_dir: Path | None, log_path: Path, *flags: str):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        model = ["--model", str(model_dir)] if model_dir else []  # None: the bundled demo model
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-                 "--device", "cpu", *flags],
+                [sys.executable, "-m", "specmoe.cli", "serve", *model, "--port", str(port), "--device", "cpu", *flags],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         try:

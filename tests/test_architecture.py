@@ -26,14 +26,15 @@ LAYERS = [
     ["specmoe.api", "specmoe.flags"],
     ["specmoe.tools"],
     ["specmoe.server", "specmoe.bench"],
+    ["specmoe.distributed"],  # engine replicas on Ray: composes the server (serve --replicas)
     ["specmoe.cli", "specmoe"],
 ]
 COSTMODEL_MAY_USE = ("specmoe.base", "specmoe.costmodel")
 COSTMODEL_USERS = ("specmoe.autotune", "specmoe.tools", "specmoe.bench", "specmoe.costmodel")
 OPTIONAL = {"fastapi", "uvicorn", "starlette", "matplotlib", "rich", "ray", "transformers", "scipy", "httpx",
-            "llama_cpp", "gguf", "compressed_tensors", "selenium", "llmcompressor", "datasets"}
-# project modules that exist to wrap an optional dependency (the FastAPI app)
-WRAPS_OPTIONAL = ("specmoe.server.app", "specmoe.server.graceful", "importlib.util")
+            "llama_cpp", "gguf", "compressed_tensors", "selenium", "pyarrow", "llmcompressor", "datasets"}
+# project modules that exist to wrap an optional dependency (the FastAPI app, uvicorn, Ray Serve)
+WRAPS_OPTIONAL = ("specmoe.server.app", "specmoe.server.graceful", "specmoe.distributed.serve", "importlib.util")
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 

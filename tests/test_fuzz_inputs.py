@@ -220,4 +220,6 @@ def test_sampling_probabilities_are_a_distribution_for_any_settings(logits, temp
     probs = target_probs(x, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
     assert torch.isfinite(probs).all() and (probs >= 0).all()
     assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-4)
-    assert x[torch.argmax(probs)] == x.max()  # the most likely token keeps the most probability
+    # the most likely token keeps the most probability (up to float32 rounding: at a huge
+    # temperature two close logits may round to the same probability)
+    assert probs[torch.argmax(x)] >= probs.max() - 1e-6

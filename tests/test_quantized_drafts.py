@@ -19,9 +19,9 @@ from specmoe.experts.quant import (
     load_quantized,
     pack,
     packed_size,
+    quantize_all,
     quantize_expert,
     quantize_matrix,
-    quantize_all,
     quantized_expert_forward,
     unpack,
 )

@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     served = ServeProcess(model_dir, tmp_path_factory.mktemp("server-log") / "server.log",
-                          "--api-key", API_KEY, "--max-batch-size", "32")
+                          "--api-key", API_KEY, "--max-batch-size", "32", "--no-ui")
     yield served.url
     served.stop()
     assert "Traceback" not in served.log(), served.log()
@@ -79,6 +79,10 @@ def metric(http, name: str, **labels) -> float:
 
 
 # --- the happy paths ---------------------------------------------------------------------------
+
+
+def test_no_ui_flag_leaves_no_page_at_the_root(http):
+    assert [http.get(path).status_code for path in ("/", "/ui/info")] == [404, 404]
 
 
 def test_models_lists_the_model_directory_name(client):

@@ -31,6 +31,10 @@ class RequestOutput:
     # with SamplingParams(prompt_logprobs=k): one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
+    def summary(self) -> dict:
+        """What `specmoe generate --json` and `--output` write for one prompt."""
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+
     @classmethod
     def of(cls, seq) -> RequestOutput:
         logprobs = seq.logprobs if seq.params.logprobs is not None else None

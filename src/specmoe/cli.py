@@ -14,8 +14,8 @@ from .api import LLM
 from .base.errors import SpecMoEError
 from .base.prompts import read_prompts_file
 from .bench import command as bench_command
-from .engine.sampling import SamplingParams
-from .flags import Parser, add_engine_args, engine_options
+from .distributed import command as replicas_command
+from .flags import Parser, add_engine_args, engine_options, open_output, sampling_params, write_record
 from .server import command as serve_command
 from .tools import calibrate as calibrate_command
 from .tools import info as info_command
@@ -42,32 +42,26 @@ def cmd_generate(args) -> int:
     params = sampling_params(args)
     batch = args.batch_size or len(prompts)
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=batch))
-    with _progress(enabled=not args.json and sys.stderr.isatty(), total=len(prompts) * args.max_tokens) as tick:
-        outputs = llm.generate(prompts, params, progress=lambda: tick(llm))
+    with open_output(args.output) as file:  # opened first: a bad path fails before the run
+        with _progress(enabled=not args.json and sys.stderr.isatty(), total=len(prompts) * args.max_tokens) as tick:
+            outputs = llm.generate(prompts, params, progress=lambda: tick(llm))
+        for index, (prompt, out) in enumerate(zip(prompts, outputs)):
+            if file:
+                write_record(file, index, prompt, out)
     stats = llm.last_stats
     if args.json:
-        json.dump(
-            {"stats": stats, "outputs": [
-                {"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason} for o in outputs
-            ]},
-            sys.stdout,
-        )
+        shown = {} if args.output else {"outputs": [o.summary() for o in outputs]}
+        json.dump({"stats": stats, **shown}, sys.stdout)
         sys.stdout.write("\n")
-    else:
+    elif not args.output:
         for prompt, out in zip(prompts, outputs):
             shown = prompt if isinstance(prompt, str) else ""
             print(shown + (out.text if llm.tokenizer else " ".join(map(str, out.token_ids))))
             print()
+    if not args.json:
         print(_stats_line(stats), file=sys.stderr)
     llm.close()
     return 0
-
-
-def sampling_params(args) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-    )
 
 
 def _stats_line(s: dict) -> str:
@@ -124,11 +118,14 @@ def build_parser() -> Parser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--batch-size", type=int, help="sequences decoded together (default: all prompts)")
     g.add_argument("--json", action="store_true", help="print one JSON object {stats, outputs} and nothing else")
+    g.add_argument("--output", metavar="FILE.jsonl", help="write one JSON line per prompt {index, prompt, text, "
+                   "token_ids, finish_reason} to FILE, in prompt order (with --replicas: as results finish)")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     for command in SUBCOMMANDS:
         command.register(sub)
+    replicas_command.register(sub.choices["generate"], sub.choices["serve"])  # --replicas N: on Ray
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     for command_parser in sub.choices.values():  # `specmoe generate --debug` works as well
         command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -4,6 +4,11 @@ bench), and the parser class every command uses."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+
+from .base.errors import SpecMoEError
+from .engine.sampling import SamplingParams
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,3 +56,27 @@ def engine_options(args, max_batch_size: int) -> dict:
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
         cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
     )
+
+
+def sampling_params(args) -> SamplingParams:
+    """The SamplingParams of `specmoe generate`'s flags."""
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+
+
+def open_output(path: str | None):
+    """--output FILE: a text file to write JSON lines to (None: a context yielding None)."""
+    if path is None:
+        return contextlib.nullcontext(None)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise SpecMoEError(f"--output {path}: cannot write there ({exc.strerror})") from None
+
+
+def write_record(file, index: int, prompt, output) -> None:
+    """One line of --output: the prompt's place in the input, the prompt, its output."""
+    file.write(json.dumps({"index": index, "prompt": prompt, **output.summary()}) + "\n")
+    file.flush()  # a reader (or a crash) sees every finished line

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import report, tables, validate
+from . import replicas, report, tables, validate
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
 
@@ -176,6 +176,22 @@ SECTIONS = (
                       SIM + args + f" > {{out}}/simulate-{name}.json")
                   for name, args in {**SIMULATIONS, "mixtral-check": "mixtral-8x7b --batch-sizes 1,16,256"}.items()),
             _projections),
+    Section("replicas", "Engine replicas on Ray: offline throughput, measured and projected",
+            "`ReplicatedLLM` (`specmoe generate --replicas N`) against one engine, here: this machine's cores are "
+            "all the replicas get, so several replicas share the same cores and little or no gain is expected "
+            "(what they add is Ray's overhead); replicas pay off with a GPU, or a node, each. Below it, the "
+            "performance model's projection for a cluster: replicas are independent engines, so the cluster's "
+            "throughput is the sum of theirs, less what the replicas on one node share (the host tier: the "
+            "node's DRAM bandwidth, and one copy of the experts per replica in its host memory; the disk tier: "
+            "the node's SSD).",
+            (Run("replicas.json", "python benchmarks/replicas.py --json {out}/replicas.json",
+                 "python benchmarks/replicas.py --num-prompts 8 --max-tokens 4 --batch-size 4 --rounds 1 "
+                 "--json {out}/replicas.json"),
+             Run("replicas-projection.json", "python benchmarks/replicas.py --project --json "
+                 "{out}/replicas-projection.json", "python benchmarks/replicas.py --project --json "
+                 "{out}/replicas-projection.json")),
+            lambda docs: replicas.measured(docs["replicas.json"]) + "\n"
+            + replicas.projection(docs["replicas-projection.json"])),
     Section("quick", "Quick run",
             "`specmoe bench --quick`: every policy at B = 1 and 16, 16 tokens, one repeat, for smoke runs; at one "
             "repeat the ratios are noisy: use the main grid.",

@@ -25,6 +25,7 @@ from ..experts.budget import DeviceBudget
 from ..experts.formats import expert_format
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
+from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token
@@ -115,6 +116,8 @@ class Engine:
         self.counters = RunCounters()
         self._next_id = 0
         self.tracer = StepTracer(options.trace, self) if options.trace else None
+        # router picks per expert, counted only while the server's live view is watched
+        self.expert_load: ExpertLoad | None = None
         # under auto, gamma follows measured tokens/s (the plan gives the first value)
         self.decoder = SpeculativeDecoder(self, options.gamma, tune=self.auto_plan is not None) \
             if self.policy.speculative else None
@@ -196,6 +199,8 @@ class Engine:
             if running:
                 t0 = time.perf_counter()
                 produced = self.decoder.step(running) if self.decoder else self._decode(running)
+                for seq in running:
+                    seq.steps += 1
                 self.counters.add_step(time.perf_counter() - t0, len(running), produced)
         done = self.scheduler.retire()
         for seq in done:
@@ -235,10 +240,13 @@ class Engine:
 
     @contextmanager
     def pass_scope(self, kind: str):
-        """A pass on the policy (and, with --trace, recorded): yields the ExpertBackend."""
+        """A pass on the policy (with --trace, recorded; while `expert_load` is set, its
+        router picks counted): yields the ExpertBackend."""
         if self.tracer:
             self.tracer.open()
         with self.policy.pass_scope(kind) as experts:
+            if self.expert_load is not None and kind != "draft":
+                experts = self.expert_load.wrap(experts)
             yield self.tracer.wrap(kind, experts) if self.tracer else experts
 
     def forward_logits(self, experts, slots, token_lists, rows="last") -> torch.Tensor:

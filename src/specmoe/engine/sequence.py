@@ -32,6 +32,9 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None, one per later prompt token], if asked for
+    steps: int = 0  # decode steps it took part in (a speculative step counts once)
+    drafted: int = 0  # draft tokens proposed for it
+    accepted: int = 0  # of those, accepted by verification
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -58,6 +58,8 @@ class SpeculativeDecoder:
             counters.drafted += len(draft)
             counters.accepted += accepted
             counters.rejected += accepted < len(draft)
+            seq.drafted += len(draft)
+            seq.accepted += accepted
             accepted_lengths.append(accepted)
             # the verification rows, never the draft's, give the tokens' log-probabilities
             produced += engine.append_tokens(seq, draft[:accepted] + [nxt], rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 def per_token_acceptance(accepted: int, rejected: int) -> float | None:
@@ -39,6 +39,28 @@ class RunCounters:
         self.seq_steps += num_seqs
         self.decode_tokens += new_tokens
 
+    @classmethod
+    def total(cls, runs: list[RunCounters]) -> RunCounters:
+        """The counters of several runs added up (`extra` is per run and left out)."""
+        names = [f.name for f in fields(cls) if f.name != "extra"]
+        return cls(**{name: sum(getattr(run, name) for run in runs) for name in names})
+
+
+def rates(counters: RunCounters, *, requests: int, generated: int, wall_s: float, transfer: int) -> dict:
+    """The ratios of a run, from its counts: one engine's run, or several added up."""
+    c = counters
+    return {
+        "decode_tokens_per_s": c.decode_tokens / c.decode_s if c.decode_s else 0.0,
+        "tokens_per_step": c.decode_tokens / c.seq_steps if c.seq_steps else 0.0,
+        "acceptance_rate": c.accepted / c.drafted if c.drafted else None,
+        "acceptance_per_token": per_token_acceptance(c.accepted, c.rejected) if c.drafted else None,
+        "draft_target_agreement": c.agreed / c.drafted if c.drafted else None,
+        "transfer_bytes_per_token": transfer / generated if generated else 0.0,
+        # evaluation runs score prompts (max_tokens=0): requests are their unit of work
+        "requests_per_s": requests / wall_s if wall_s else 0.0,
+        "transfer_bytes_per_request": transfer / requests if requests else 0.0,
+    }
+
 
 def summarize(
     *, policy: str, batch_size: int, gamma: int | None, draft_experts: int | None, seqs, counters: RunCounters,
@@ -64,21 +86,13 @@ def summarize(
         "wall_s": wall_s,
         "prefill_s": counters.prefill_s,
         "decode_s": counters.decode_s,
-        "decode_tokens_per_s": counters.decode_tokens / counters.decode_s if counters.decode_s else 0.0,
         "ttft_s": sum(ttfts) / len(ttfts) if ttfts else None,
         "tbt_s": sum(tbts) / len(tbts) if tbts else None,
         "steps": counters.steps,
-        "tokens_per_step": counters.decode_tokens / counters.seq_steps if counters.seq_steps else 0.0,
-        "acceptance_rate": counters.accepted / counters.drafted if counters.drafted else None,
-        "acceptance_per_token": per_token_acceptance(counters.accepted, counters.rejected) if counters.drafted else None,
-        "draft_target_agreement": counters.agreed / counters.drafted if counters.drafted else None,
         "draft_s": counters.draft_s,
         "verify_s": counters.verify_s,
         "transfer_bytes": transfer,
-        "transfer_bytes_per_token": transfer / generated if generated else 0.0,
-        # evaluation runs score prompts (max_tokens=0): requests are their unit of work
-        "requests_per_s": len(seqs) / wall_s if wall_s else 0.0,
-        "transfer_bytes_per_request": transfer / len(seqs) if seqs else 0.0,
+        **rates(counters, requests=len(seqs), generated=generated, wall_s=wall_s, transfer=transfer),
         "device_memory": device_memory,  # the budget in bytes (None: no limit)
         "device_peak_bytes": device_peak_bytes,
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),

@@ -20,8 +20,8 @@ from .attention import ATTENTION
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
 from .layers import norm, swiglu
 from .moe import ExpertBackend, Routing
-from .routers import route
 from .rope import RotaryTable
+from .routers import route
 from .weights import LayerWeights, ModelWeights
 
 

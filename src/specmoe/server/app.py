@@ -17,6 +17,7 @@ import hmac
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from .protocol import (
     sse,
     usage,
 )
+from .ui import ui_router
 
 log = logging.getLogger("specmoe.server")
 
@@ -61,20 +63,26 @@ class Served:
     max_body_bytes: int = MAX_BODY_BYTES
     started: int = field(default_factory=lambda: int(time.time()))  # the model card's `created`
     http_errors: Counter[int] = field(default_factory=Counter)  # error responses by status, for /metrics
+    # a replica of several (specmoe serve --replicas): async (served) -> the /metrics text of them all
+    cluster_metrics: Callable[[Served], Awaitable[str]] | None = None
 
 
 def create_app(engine, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app serving `engine` under `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`."""
-    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes)
+               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True, cluster_metrics=None) -> FastAPI:
+    """The app serving `engine` under `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`;
+    with `ui`, the web page is at / (server/ui.py); `cluster_metrics` adds other replicas' counters to /metrics."""
+    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes, cluster_metrics=cluster_metrics)
     app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.openapi = lambda: openapi.document(model_name)  # written out: the handlers read raw bodies
     app.state.engine_loop = served.loop
+    app.state.served = served
     add_error_handlers(app, served)
     app.include_router(v1_router(served))
     app.include_router(tokenizer_router(served))
     add_operations_routes(app, served)
+    if ui:
+        app.include_router(ui_router(served.loop, model_name, require_api_key(api_key), api_key is not None))
     return app
 
 
@@ -214,7 +222,10 @@ def add_operations_routes(app: FastAPI, served: Served) -> None:
 
     @app.get("/metrics")
     async def get_metrics():
-        text = metrics.render(loop.stats, dict(served.http_errors), served.model_name)
+        if served.cluster_metrics is not None:
+            text = await served.cluster_metrics(served)
+        else:
+            text = metrics.render(loop.stats, dict(served.http_errors), served.model_name)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
 
@@ -246,7 +257,7 @@ async def generate(served: Served, request: Request, req: GenerateRequest):
     except SpecMoEError as exc:
         raise APIError(400, str(exc), req.prompt_param) from None
     params = req.sampling_params(len(prompt_ids), engine.max_model_len)
-    handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+    handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), want_stats=req.specmoe_stats)
     served.loop.submit(handle)
     rid = new_id(req.kind)
     if req.stream:
@@ -275,7 +286,8 @@ async def complete(served: Served, request: Request, handle: RequestHandle, req:
     # formatting the log-probabilities of a long echoed prompt takes a while: off the event loop
     logprobs = await run_in_threadpool(whole_logprobs, served, req, handle, got)
     text = echo_text(served, req, handle) + got.text if req.echo else got.text
-    return response(req.kind, rid, served.model_name, text, got.finish_reason, use, logprobs)
+    answer = response(req.kind, rid, served.model_name, text, got.finish_reason, use, logprobs)
+    return {**answer, "specmoe_stats": got.stats} if req.specmoe_stats else answer
 
 
 def echo_text(served: Served, req: GenerateRequest, handle: RequestHandle) -> str:
@@ -326,7 +338,8 @@ async def stream_events(served: Served, handle: RequestHandle, req: GenerateRequ
                 yield sse(chunk(req.kind, rid, model_name, text=delta.text, logprobs=logprobs))
             if delta.finish_reason is not None:
                 settled = True
-                yield sse(chunk(req.kind, rid, model_name, finish_reason=delta.finish_reason))
+                last = chunk(req.kind, rid, model_name, finish_reason=delta.finish_reason)
+                yield sse({**last, "specmoe_stats": delta.stats} if req.specmoe_stats else last)
                 if req.include_usage:
                     use = usage(len(handle.prompt_ids), completion_tokens)
                     yield sse(chunk(req.kind, rid, model_name, use=use))
@@ -346,6 +359,7 @@ class Collected:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
+    stats: dict | None = None
 
 
 async def collect(handle: RequestHandle) -> Collected:
@@ -360,6 +374,7 @@ async def collect(handle: RequestHandle) -> Collected:
         got.logprobs += delta.logprobs
         got.prompt_logprobs = got.prompt_logprobs or delta.prompt_logprobs
         if delta.finish_reason is not None:
+            got.stats = delta.stats
             got.text, got.finish_reason = "".join(pieces), delta.finish_reason
             return got
 

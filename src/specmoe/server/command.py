@@ -37,6 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, stop admitting and give requests in flight this long to finish; "
                         "then answer them with an error and exit (default 30; a second Ctrl-C exits at once)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the web page (playground and live view) at /")
     p.set_defaults(func=run_serve)
 
 
@@ -65,6 +66,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def served_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def warn_if_open(host: str, api_key: str | None) -> None:
+    if host not in LOOPBACK and not api_key:
+        print(f"specmoe: warning: listening on {host} without --api-key: anyone who can reach this port "
+              "can use the model", file=sys.stderr, flush=True)
+
+
 def run_serve(args) -> int:
     try:
         import uvicorn
@@ -81,15 +92,15 @@ def run_serve(args) -> int:
     sock = bind(args.host, args.port)  # before loading the model: a busy port fails fast
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=args.max_batch_size))
     name = model_name(args)
-    app = create_app(llm.engine, name, api_key=api_key)
+    app = create_app(llm.engine, name, api_key=api_key, ui=not args.no_ui)
     host, port = sock.getsockname()[:2]
-    url_host = f"[{host}]" if ":" in host else host
-    print(f"specmoe: serving {name} at http://{url_host}:{port}/v1 (policy {args.policy}, "
+    print(f"specmoe: serving {name} at {served_url(host, port)} (policy {args.policy}, "
           f"batch up to {args.max_batch_size}, context {llm.engine.max_model_len}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    if args.host not in LOOPBACK and not api_key:
-        print(f"specmoe: warning: listening on {args.host} without --api-key: anyone who can reach this port "
-              "can use the model", file=sys.stderr, flush=True)
+    if not args.no_ui:
+        print(f"specmoe: the web page (playground, live view) is at {served_url(host, port).removesuffix('/v1')}/",
+              file=sys.stderr, flush=True)
+    warn_if_open(args.host, api_key)
     # uvicorn's own limit only cuts connections that outlive the engine's answer to them
     config = uvicorn.Config(app, log_level="info" if args.access_log else "warning", access_log=args.access_log,
                             timeout_graceful_shutdown=args.shutdown_timeout + 10)

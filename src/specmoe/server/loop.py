@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base.errors import SpecMoEError
+from .answer_stats import answer_stats, moved_bytes
 from .detok import IncrementalText
 from .protocol import APIError
 
@@ -40,20 +41,23 @@ class Delta:
     error: APIError | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs of token_ids, if the request asked
     prompt_logprobs: list | None = None  # in the first delta, if the request scores its prompt
+    stats: dict | None = None  # in the last delta: the request's own engine statistics (answer_stats)
 
 
 class RequestHandle:
     """One request as both sides see it. The engine thread writes `seq` and `text`;
     the event loop only reads `queue`."""
 
-    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop, want_stats: bool = False):
         self.prompt_ids = prompt_ids
         self.params = params
+        self.want_stats = want_stats  # the last delta carries the request's engine statistics
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.aloop = aloop
         self.seq = None
         self.text: IncrementalText | None = None
         self.tokens_sent = 0
+        self.moved_bytes = 0.0  # its share of the expert bytes moved by the steps it took part in
 
     def push(self, delta: Delta) -> None:
         deliver({self.aloop: [(self, delta)]})
@@ -81,6 +85,7 @@ class Snapshot:
     waiting: int = 0
     steps: int = 0
     seq_steps: int = 0
+    decode_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
     transfer_bytes: int = 0
@@ -116,7 +121,8 @@ class ServerStats:
         policy = engine.policy.stats()
         self.snapshot = Snapshot(
             running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
-            steps=counters.steps, seq_steps=counters.seq_steps, drafted=counters.drafted,
+            steps=counters.steps, seq_steps=counters.seq_steps, decode_tokens=counters.decode_tokens,
+            drafted=counters.drafted,
             accepted=counters.accepted, transfer_bytes=int(policy.get("transfer_bytes", 0)),
             tokens_by_second=tuple(sorted(self._buckets.items())),
         )
@@ -133,6 +139,7 @@ class EngineLoop:
         self.drain_deadline: float | None = None
         self._commands: queue.Queue = queue.Queue()
         self._active: dict[int, RequestHandle] = {}  # engine request id -> handle
+        self.after_step: list = []  # fn(engine), run on this thread after each step (the live view)
         self._thread = threading.Thread(target=self._run, name="specmoe-engine", daemon=True)
 
     # --- called from the event loop ----------------------------------------------------
@@ -172,6 +179,10 @@ class EngineLoop:
         """The client went away: drop its sequence at the next step boundary."""
         self._commands.put(("abort", handle))
 
+    def call(self, fn) -> None:
+        """Run `fn(engine)` on the engine thread between steps (where engine state may be read)."""
+        self._commands.put(("call", fn))
+
     # --- the engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
@@ -186,7 +197,8 @@ class EngineLoop:
         except BaseException as exc:  # keep the reason for /health and the log
             self.error = exc
             log.exception("the engine loop stopped")
-            self._fail_all(lambda: engine_error("the engine loop stopped: " + str(exc)))
+            message = "the engine loop stopped: " + str(exc)
+            self._fail_all(lambda: engine_error(message))
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when idle. False: stop."""
@@ -202,6 +214,8 @@ class EngineLoop:
                 return False
             if kind == "add":
                 self._add(handle)
+            elif kind == "call":
+                self._call(handle)
             elif kind == "abort" and handle.seq is not None and handle.seq.request_id in self._active:
                 self.engine.abort(handle.seq.request_id)
                 del self._active[handle.seq.request_id]
@@ -224,24 +238,29 @@ class EngineLoop:
         self.stats.prompt_tokens += len(seq.prompt_ids)
 
     def _step(self) -> None:
+        moved = moved_bytes(self.engine.policy)
         try:
             self.engine.step()
         except Exception as exc:
             # The state of the sequences in this step is unknown: fail them, keep serving.
             log.exception("an engine step failed; failing the %d requests in it", len(self._active))
-            self._fail_all(lambda: engine_error(f"the engine failed while generating: {exc}"))
+            message = f"the engine failed while generating: {exc}"
+            self._fail_all(lambda: engine_error(message))
+        stepped = [(rid, h) for rid, h in self._active.items()
+                   if len(h.seq.output_ids) > h.tokens_sent or h.seq.finished]
+        share = (moved_bytes(self.engine.policy) - moved) / max(1, len(stepped))  # a fetch serves the whole batch
         batches: dict = {}
-        for rid, handle in list(self._active.items()):
+        for rid, handle in stepped:
             seq = handle.seq
             sent = handle.tokens_sent
             new_ids = seq.output_ids[sent:]
-            if not new_ids and not seq.finished:
-                continue
             handle.tokens_sent = len(seq.output_ids)
+            handle.moved_bytes += share
             final = seq.text if seq.finished else None
             text = handle.text.update(seq.output_ids, final_text=final)
             delta = Delta(text, new_ids, seq.finish_reason if seq.finished else None,
-                          logprobs=seq.logprobs[sent:], prompt_logprobs=seq.prompt_logprobs if sent == 0 else None)
+                          logprobs=seq.logprobs[sent:], prompt_logprobs=seq.prompt_logprobs if sent == 0 else None,
+                          stats=self._answer_stats(handle) if seq.finished else None)
             batches.setdefault(handle.aloop, []).append((handle, delta))
             self.stats.count_tokens(len(new_ids))
             if seq.finished:
@@ -249,6 +268,18 @@ class EngineLoop:
                 del self._active[rid]
         deliver(batches)
         self.stats.refresh(self.engine)
+        for fn in self.after_step:
+            self._call(fn)
+
+    def _answer_stats(self, handle: RequestHandle) -> dict | None:
+        return answer_stats(handle.seq, handle.moved_bytes, self.engine.policy.name) if handle.want_stats else None
+
+    def _call(self, fn) -> None:
+        """Run an observer on the engine; its failure is logged, never the end of serving."""
+        try:
+            fn(self.engine)
+        except Exception:  # noqa: BLE001 - the live view must not take the server down
+            log.exception("%s failed on the engine thread", getattr(fn, "__qualname__", fn))
 
     def _fail_all(self, error: Callable[[], APIError]) -> None:
         """Answer every request the engine holds with an `error()` and drop it."""

@@ -1,13 +1,21 @@
-"""/metrics in the Prometheus text exposition format (version 0.0.4)."""
+"""/metrics in the Prometheus text exposition format (version 0.0.4).
+
+A server that is one replica of several (`specmoe serve --replicas N`) renders the
+`combine`d counters of all of them, with each replica's requests beside.
+"""
 
 from __future__ import annotations
 
-from .loop import RATE_WINDOW_S, ServerStats
+import dataclasses
+
+from .loop import RATE_WINDOW_S, ServerStats, Snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NOW_FIELDS = ("running", "waiting", "tokens_by_second")  # the state now: only live replicas count
 
 
-def render(stats: ServerStats, http_errors: dict[int, int], model: str) -> str:
+def render(stats: ServerStats, http_errors: dict[int, int], model: str, replicas: dict[str, int] | None = None) -> str:
+    """The text; `replicas` (replica -> requests it admitted) adds each replica's line."""
     snap = stats.snapshot
     lines: list[str] = []
 
@@ -41,7 +49,35 @@ def render(stats: ServerStats, http_errors: dict[int, int], model: str) -> str:
            [({}, snap.accepted)])
     metric("specmoe_acceptance_rate", "gauge", "Accepted / proposed draft tokens since start (NaN: none drafted).",
            [({}, snap.accepted / snap.drafted if snap.drafted else float("nan"))])
+    if replicas is not None:
+        metric("specmoe_replica_requests_total", "counter", "Requests admitted by each engine replica (the "
+               "counters above add up every replica).", [({"replica": r}, n) for r, n in sorted(replicas.items())])
     return "\n".join(lines) + "\n"
+
+
+def combine(parts: list[ServerStats], live: list[bool]) -> ServerStats:
+    """Several servers' stats as one: counters added up over all of them (a replica that
+    was replaced keeps counting, so no counter goes down), the state now over the live ones."""
+    total = ServerStats()
+    for name in list(vars(total)):
+        if name != "snapshot" and not name.startswith("_"):
+            setattr(total, name, _add([getattr(p, name) for p in parts]))
+    snapshots = {f.name: [getattr(p.snapshot, f.name) for p in parts] for f in dataclasses.fields(Snapshot)}
+    for name in NOW_FIELDS:
+        snapshots[name] = [v for v, up in zip(snapshots[name], live) if up]
+    per_second = _add([dict(seconds) for seconds in snapshots.pop("tokens_by_second")])
+    total.snapshot = Snapshot(**{name: sum(values) for name, values in snapshots.items()},
+                              tokens_by_second=tuple(sorted(per_second.items())))
+    return total
+
+
+def combine_counts(parts: list[dict]) -> dict:
+    """Counts by key (HTTP errors by status) added up, every key kept (zeros too)."""
+    return {key: sum(p.get(key, 0) for p in parts) for key in dict.fromkeys(k for p in parts for k in p)}
+
+
+def _add(values: list):
+    return combine_counts(values) if values and isinstance(values[0], dict) else sum(values)
 
 
 def _number(value) -> str:

@@ -50,6 +50,7 @@ def _sampling_fields(model_name: str) -> dict:
         "logit_bias": _of("object", additionalProperties={"type": "number"}),
         "top_k": _of("integer", minimum=-1),  # vLLM's extension
         "ignore_eos": _of("boolean"),  # vLLM's extension
+        "specmoe_stats": _of("boolean", description="the answer carries the request's own engine statistics"),
     }
 
 

@@ -40,6 +40,7 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "n", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user",
     "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
     "top_k", "ignore_eos",  # extensions (vLLM names)
+    "specmoe_stats",  # extension: the answer carries the request's own engine statistics
 }
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {
@@ -161,6 +162,7 @@ class GenerateRequest:
     include_usage: bool
     logprobs: int | None = None  # the chosen token's log-probability and this many alternatives; None: off
     echo: bool = False  # completions: the prompt (and, with logprobs, its log-probabilities) comes back first
+    specmoe_stats: bool = False  # the answer (the last chunk of a stream) carries `specmoe_stats`
 
     @property
     def prompt_param(self) -> str:
@@ -244,9 +246,11 @@ def _common(body: dict, kind: str, max_tokens_key: str = "max_tokens", echo: boo
         include_usage = _get(options, "include_usage", lambda v: isinstance(v, bool), "a boolean", False)
     _get(body, "user", lambda v: isinstance(v, str), "a string")
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
+    specmoe_stats = _get(body, "specmoe_stats", lambda v: isinstance(v, bool), "a boolean", False)
     return dict(
         kind=kind, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, stream=stream, include_usage=include_usage,
+        specmoe_stats=specmoe_stats,
     )
 
 
