@@ -336,7 +336,7 @@ def to_mxfp4(path) -> Path:
 def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
     """Two copies of a (single-file, per-expert) checkpoint: one as DeepSeek-V3 and Kimi-K2
     are released (every linear weight but the embedding, head and routers in float8_e4m3fn
-    with a float32 `weight_scale_inv` per block x block tile: max |w| / 448), and a float32
+    with a float32 `weight_scale_inv` per block x block tile, partial at the edges: max |w| / 448), and a float32
     reference holding exactly those FP8 values times their tile's scale, computed tile by
     tile here (transformers reads it without any quantization support)."""
     import shutil
@@ -351,7 +351,7 @@ def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
             if any(part in name for part in ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")):
                 continue
             w = tensors[name].float()
-            scale = torch.empty(w.shape[0] // block, w.shape[1] // block)
+            scale = torch.empty(-(-w.shape[0] // block), -(-w.shape[1] // block))  # edge tiles may be partial
             w8 = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
             back = torch.empty(w.shape)
             for i in range(scale.shape[0]):
@@ -371,6 +371,78 @@ def to_fp8(src, out_dir, block: int = 4) -> tuple[Path, Path]:
                                   "weight_block_size": [block, block]}
     (fp8 / "config.json").write_text(json.dumps(cfg))
     return fp8, reference
+
+
+def to_bfloat16(src, out_dir) -> Path:
+    """A copy of a (single-file) checkpoint with every float tensor in bfloat16, as most are released."""
+    import shutil
+
+    out = Path(out_dir)
+    shutil.copytree(src, out)
+    _rewrite(out, lambda tensors: tensors.update({k: t.to(torch.bfloat16) for k, t in tensors.items()
+                                                  if t.is_floating_point()}))
+    (out / "config.json").write_text(json.dumps({**read_config(out), "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    return out
+
+
+def to_compressed_tensors(src, out_dir, scheme: str, group_size: int = 8) -> Path:
+    """`specmoe quantize`'s checkpoint of `src`: w4a16 / w8a16 (int, one scale per
+    `group_size` input columns) or fp8 (one scale per row)."""
+    from specmoe.tools.quantize import quantize_checkpoint
+
+    quantize_checkpoint(src, out_dir, scheme, group_size=group_size)
+    return Path(out_dir)
+
+
+# Routed expert projections in the Hub's per-expert names.
+EXPERT_PROJECTION = r".*\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)$"
+
+
+def to_compressed_tensors_with(src, out_dir, fmt: str, **weights) -> Path:
+    """A compressed-tensors checkpoint of (single-file, per-expert) `src` written with the
+    library's own compressor, independently of specmoe's writer: every routed expert
+    projection quantized round-to-nearest with QuantizationArgs(**weights) (strategy
+    group, channel, tensor or block), in format `fmt` (pack-quantized, int-quantized,
+    float-quantized)."""
+    import re
+    import shutil
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    out = Path(out_dir)
+    shutil.copytree(src, out)
+    scheme = QuantizationScheme(targets=["re:" + EXPERT_PROJECTION], weights=QuantizationArgs(**weights), format=fmt)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+
+    def quantize(tensors):
+        for name in [k for k in tensors if re.match(EXPERT_PROJECTION, k.removesuffix(".weight"))]:
+            w = tensors.pop(name)
+            blocks = _ct_blocks(w.float(), scheme.weights)
+            scale, zero = calculate_qparams(blocks.amin((1, 3)), blocks.amax((1, 3)), scheme.weights)
+            if scheme.weights.strategy in ("group", "channel"):
+                scale, zero = scale.reshape(w.shape[0], -1), zero.reshape(w.shape[0], -1)
+            elif scheme.weights.strategy == "tensor":
+                scale, zero = scale.reshape(1), zero.reshape(1)
+            packed = compressor.compress({"weight": w.float(), "weight_scale": scale.to(w.dtype),
+                                          "weight_zero_point": zero}, scheme)
+            tensors.update({name.removesuffix("weight") + k: v for k, v in packed.items()})
+
+    _rewrite(out, quantize)
+    cfg = read_config(out)
+    cfg["quantization_config"] = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
+                                                    quantization_status="compressed").model_dump(mode="json")
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _ct_blocks(w: torch.Tensor, args) -> torch.Tensor:
+    """w [rows, cols] viewed as [row blocks, rows per block, column blocks, columns per block]."""
+    rows, cols = w.shape
+    r, c = {"group": (1, args.group_size), "channel": (1, cols), "tensor": (rows, cols)}.get(
+        args.strategy, tuple(args.block_structure or (rows, cols)))
+    return w.reshape(rows // r, r, cols // c, c)
 
 
 def _mxfp4(w: torch.Tensor):
@@ -405,9 +477,15 @@ def _load(path):
     multimodal = "Llama4ForConditionalGeneration" in cfg.get("architectures", [])
     cls = tr.Llama4ForConditionalGeneration if multimodal else tr.AutoModelForCausalLM
     extra = {}
-    method = cfg.get("quantization_config", {}).get("quant_method")
+    qc = cfg.get("quantization_config", {})
+    method = qc.get("quant_method")
     if method == "mxfp4":  # transformers' own dequantization
         extra["quantization_config"] = tr.Mxfp4Config(dequantize=True)
+    elif method == "fp8":
+        extra["quantization_config"] = tr.FineGrainedFP8Config(dequantize=True,
+                                                               weight_block_size=tuple(qc["weight_block_size"]))
+    elif method == "compressed-tensors":  # through the compressed-tensors library
+        extra["quantization_config"] = tr.CompressedTensorsConfig(dequantize=True)
 
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **extra)
     # the multimodal Llama 4's own forward needs images; its text model is a Llama4ForCausalLM

@@ -32,7 +32,7 @@ LAYERS = [
 COSTMODEL_MAY_USE = ("specmoe.base", "specmoe.costmodel")
 COSTMODEL_USERS = ("specmoe.autotune", "specmoe.tools", "specmoe.bench", "specmoe.costmodel")
 OPTIONAL = {"fastapi", "uvicorn", "starlette", "matplotlib", "rich", "ray", "transformers", "scipy", "httpx",
-            "llama_cpp", "gguf", "compressed_tensors", "selenium", "pyarrow"}
+            "llama_cpp", "gguf", "compressed_tensors", "selenium", "pyarrow", "llmcompressor", "datasets"}
 # project modules that exist to wrap an optional dependency (the FastAPI app, uvicorn, Ray Serve)
 WRAPS_OPTIONAL = ("specmoe.server.app", "specmoe.server.graceful", "specmoe.distributed.serve", "importlib.util")
 MAX_MODULE_LINES = 450

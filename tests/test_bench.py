@@ -263,3 +263,23 @@ def test_every_command_of_the_report_parses(section):
                     settings_from_args(args)
             else:
                 assert words[0] == "python" and (ROOT / words[1]).is_file(), command
+
+
+def test_the_quantized_models_section_is_made_from_its_document():
+    """benchmarks/quantized_models.py's document -> its tables: every figure is the document's."""
+    from specmoe.bench import tables
+
+    models = {name: {"expert_format": fmt, "expert_bytes": size, "perplexity": ppl, "perplexity_tokens": 900,
+                     "quantize": q}
+              for name, fmt, size, ppl, q in [
+                  ("bf16", "bf16", 196608, 33.5, None),
+                  ("w4a16", "int4 (compressed-tensors; groups of 128)", 50688, 34.25,
+                   {"peak_rss_growth_bytes": 3 << 20, "largest_tensor_bytes": 2 << 20})]}
+    records = [{"model": m, "policy": "ondemand", "batch_size": b, "decode_tokens_per_s": tps,
+                "transfer_bytes_per_token": mb * 1e6, "vs_ondemand_bf16": ratio}
+               for m, b, tps, mb, ratio in [("bf16", 16, 50.0, 4.0, 1.0), ("w4a16", 16, 61.25, 1.03, 1.225)]]
+    config = {"policies": ["ondemand"], "dtype": "bfloat16", "gamma": 5, "max_tokens": 32, "batches": 2, "repeats": 3,
+              "expert_fraction": 0.3}
+    text = tables.quantized_models({"config": config, "models": models, "records": records})
+    assert "| w4a16 | int4 (compressed-tensors; groups of 128) | 49.5 KiB | 34.250 | 3.00 MiB = 1.50x" in text
+    assert "| w4a16 | ondemand | 61.2 (×1.23), 1.030 MB |" in text and "| bf16 | ondemand | 50.0 (×1.00), 4.000 MB |" in text

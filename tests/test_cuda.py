@@ -20,8 +20,10 @@ from factories import (
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
+from specmoe.base.specs import ExpertSpec
 from specmoe.base.trace import read_trace
 from specmoe.experts.budget import DeviceBudget
+from specmoe.experts.formats import FloatFormat
 from specmoe.experts.pool import DevicePool
 from specmoe.experts.store import HostStore, open_store
 from specmoe.experts.transfer import TransferEngine
@@ -46,7 +48,7 @@ def expert_keys(ckpt):
 def test_host_store_is_pinned_on_cuda(tiny_ckpt):
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
     keys = expert_keys(ckpt)
-    store = open_store(ckpt, keys, torch.float32, CUDA, "host")
+    store = open_store(ckpt, keys, FloatFormat(ckpt.config.expert, torch.float32), CUDA, "host")
     assert store.pinned and store.buffers.is_pinned()
     assert torch.equal(store.host_tensor(keys[3]), ckpt.expert_buffer(*keys[3], torch.float32))
 
@@ -55,8 +57,9 @@ def test_host_store_is_pinned_on_cuda(tiny_ckpt):
 def test_side_stream_copies_bring_the_right_bytes(tiny_ckpt, tmp_path, tier):
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
     keys = expert_keys(ckpt)
-    store = open_store(ckpt, keys, torch.float32, CUDA, tier, str(tmp_path))
-    pool = DevicePool(4, store.numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    fmt = FloatFormat(ckpt.config.expert, torch.float32)
+    store = open_store(ckpt, keys, fmt, CUDA, tier, str(tmp_path))
+    pool = DevicePool(4, fmt, CUDA, DeviceBudget(None), "test", 1)
     engine = TransferEngine(store, pool, CUDA)
     assert engine.stream is not None and engine.stream != torch.cuda.current_stream(CUDA)
     for key in keys[:7]:  # more experts than slots: later ones land in evicted slots
@@ -81,9 +84,10 @@ def test_a_refetch_into_a_slot_waits_for_the_compute_still_reading_it():
     # The engine unpins an expert as soon as its kernels are *launched*; the slot may then
     # be refilled by the side stream while those kernels are still queued on the compute
     # stream. The copy must be ordered after them, or the compute reads the next expert.
-    numel = 1 << 20
-    store = HostStore(_ConstantExperts(numel), [(0, 0), (0, 1)], torch.float32, pin=True)
-    pool = DevicePool(1, numel, torch.float32, CUDA, DeviceBudget(None), "test", 1)
+    fmt = FloatFormat(ExpertSpec(1024, 512, activation="relu"), torch.float32)  # 1 << 20 elements
+    numel = fmt.numel
+    store = HostStore(_ConstantExperts(numel), [(0, 0), (0, 1)], fmt, pin=True)
+    pool = DevicePool(1, fmt, CUDA, DeviceBudget(None), "test", 1)
     engine = TransferEngine(store, pool, CUDA)
     engine.ensure((0, 0))
     slot = pool.get((0, 0))
@@ -211,3 +215,65 @@ def test_large_families_on_cuda_give_residents_tokens_under_every_policy(tiny_ck
         llm.generate(prompts, GREEDY)
         assert_policy_run_is_exact(llm.last_stats, sha, policy)
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def cuda_w4a16(tiny_ckpt, tmp_path_factory):
+    """The tiny Mixtral quantized by `specmoe quantize` (int4 experts, groups of 8)."""
+    pytest.importorskip("compressed_tensors")
+    from factories import to_compressed_tensors
+
+    return to_compressed_tensors(tiny_ckpt("mixtral", intermediate_size=256), tmp_path_factory.mktemp("w4") / "q",
+                                 "w4a16", group_size=8)
+
+
+def test_quantized_experts_on_cuda_give_the_resident_quantized_models_tokens(cuda_w4a16, tmp_path):
+    """The blob moves to the GPU's pool and is dequantized there: every policy's tokens
+    are the resident (quantized) model's on the GPU, and what moves is the blob."""
+    prompts = random_prompts(4, 128, 3, 12, seed=7)
+    shape = dict(model=str(cuda_w4a16), device="cuda", max_batch_size=4, max_model_len=32)
+    ref = LLM(**shape)
+    ref.generate(prompts, GREEDY)
+    sha, budget = ref.last_stats["token_ids_sha256"], expert_share_budget(ref, 0.5, 4, 32)
+    blob = ref.engine.policy.runtime.expert_bytes
+    ref.close()
+    assert blob == Checkpoint(cuda_w4a16).config.expert_quant.nbytes
+    for policy in POLICIES:
+        llm = LLM(**shape, policy=policy, offload="host", offload_dir=str(tmp_path), device_memory=budget)
+        llm.generate(prompts, GREEDY)
+        stats = llm.last_stats
+        assert_policy_run_is_exact(stats, sha, policy)
+        assert stats["transfer_bytes"] == blob * stats["experts_fetched"]
+        llm.close()
+
+
+def test_a_quantized_expert_computes_on_cuda_what_it_computes_on_the_cpu(cuda_w4a16):
+    from specmoe.experts.formats import QuantizedFormat
+
+    ckpt = Checkpoint(cuda_w4a16)
+    fmt = QuantizedFormat(ckpt.config.expert, ckpt.config.expert_quant)
+    blob, x = fmt.read(ckpt, 0, 3), torch.randn(6, ckpt.config.hidden_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = fmt.forward(blob, x.to(dtype)).float()
+        gpu = fmt.forward(blob.to(CUDA), x.to(dtype).to(CUDA)).float().cpu()
+        assert torch.allclose(gpu, cpu, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3), dtype
+
+
+def test_quantized_experts_stay_within_the_cuda_budget_with_their_scratch(cuda_w4a16, tmp_path):
+    """The dequantized matrix of the running expert is reserved in the ledger: the
+    allocator's peak stays within the budget plus one pass of activations."""
+    prompts = random_prompts(4, 128, 3, 8, seed=7)
+    kw = dict(model=str(cuda_w4a16), device="cuda", max_batch_size=4, max_model_len=32)
+    probe = LLM(**kw)
+    budget = expert_share_budget(probe, 0.5, 4, 32)
+    probe.close()
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(**kw, policy="ondemand", offload="host", offload_dir=str(tmp_path), device_memory=budget)
+    llm.generate(prompts, GREEDY)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    assert peak <= budget + cuda_activation_allowance(llm.config, sum(map(len, prompts)), 32)
+    llm.close()

@@ -20,6 +20,7 @@ from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
 from specmoe.base.errors import EnvironmentFailure
 from specmoe.experts.expert_file import ExpertLayout, inspect
+from specmoe.experts.formats import FloatFormat
 from specmoe.experts.store import DiskStore
 
 # A process that builds (or opens) the expert file, slowed down per expert so that
@@ -29,6 +30,7 @@ import json, sys, time
 from pathlib import Path
 import torch
 from specmoe.base.checkpoint import Checkpoint
+from specmoe.experts.formats import FloatFormat
 from specmoe.experts.store import DiskStore
 
 ckpt_dir, out_dir, go, delay = sys.argv[1:5]
@@ -41,7 +43,7 @@ ckpt = Checkpoint(ckpt_dir)
 keys = [(l, e) for l in ckpt.config.moe_layer_ids for e in range(ckpt.config.num_experts)]
 while not Path(go).exists():
     time.sleep(0.005)
-store = DiskStore(ckpt, keys, torch.float32, out_dir)
+store = DiskStore(ckpt, keys, FloatFormat(ckpt.config.expert, torch.float32), out_dir)
 dest = torch.empty(store.numel)
 same = True
 for key in keys:
@@ -61,7 +63,7 @@ def all_keys(ckpt):
 
 
 def open_store(ckpt, directory):
-    return DiskStore(ckpt, all_keys(ckpt), torch.float32, str(directory))
+    return DiskStore(ckpt, all_keys(ckpt), FloatFormat(ckpt.config.expert, torch.float32), str(directory))
 
 
 def builder(ckpt, out_dir, go, delay):

@@ -51,11 +51,13 @@ def test_budget_refuses_a_reservation_over_the_limit_and_names_the_need():
 
 def test_bandwidth_cap_slows_reads_to_the_given_rate(tiny_ckpt, tmp_path):
     from specmoe.base.checkpoint import Checkpoint
+    from specmoe.experts.formats import FloatFormat
     from specmoe.experts.store import DiskStore
 
     ckpt = Checkpoint(tiny_ckpt("mixtral"))
     keys = [(0, e) for e in range(8)]
-    store = DiskStore(ckpt, keys, torch.float32, str(tmp_path), bandwidth=200_000)  # 200 kB/s
+    fmt = FloatFormat(ckpt.config.expert, torch.float32)
+    store = DiskStore(ckpt, keys, fmt, str(tmp_path), bandwidth=200_000)  # 200 kB/s
     dest = torch.empty(store.numel)
     start = time.perf_counter()
     for key in keys[:4]:

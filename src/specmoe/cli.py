@@ -19,11 +19,13 @@ from .flags import Parser, add_engine_args, engine_options, open_output, samplin
 from .server import command as serve_command
 from .tools import calibrate as calibrate_command
 from .tools import info as info_command
+from .tools import quantize as quantize_command
 from .tools import simulate as simulate_command
 from .tools.replay import command as replay_command
 
 # Commands that add their own subparser with `register(subparsers)`.
-SUBCOMMANDS = (info_command, bench_command, simulate_command, calibrate_command, replay_command, serve_command)
+SUBCOMMANDS = (info_command, bench_command, simulate_command, calibrate_command, replay_command, serve_command,
+               quantize_command)
 
 
 # --- generate --------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from ..base.errors import SpecMoEError, warn
 from ..base.paths import cache_dir
 from ..costmodel.cost_model import Scenario
@@ -24,7 +26,7 @@ from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
 from ..costmodel.shapes import shape_of
-from ..experts.quant import draft_copy_bytes
+from ..experts.quant import draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from . import history, speeds
@@ -75,7 +77,8 @@ def _model_inputs(runtime):
     """(shape, plan keyword arguments) for this runtime, as the planner sees it."""
     opts = runtime.options
     shape = shape_of(runtime.config, runtime.checkpoint.dir.name)
-    shape = replace(shape, bytes_per_param=runtime.expert_bytes / runtime.config.expert_params)
+    # weights in the compute dtype; quantized experts keep their blobs' size (shape_of)
+    shape = replace(shape, bytes_per_param=float(torch.tensor([], dtype=runtime.dtype).element_size()))
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
     # mean cached positions: half the length reserved per sequence (sequences grow into
     # it); the KV the model then counts stays inside what the engine reserved
@@ -148,10 +151,10 @@ def _quantized_draft(runtime) -> str | None:
     kernel detail the cost model does not know."""
     c, budget = runtime.config, runtime.budget
     free = budget.available() if budget.limit is not None else None
-    for mode in ("int8", "int4"):
+    for mode in draft_modes(c.expert_quant):
         copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
         need = copy * len(runtime.expert_keys) + scratch
-        if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
+        if free is None or free >= need + WORKING_SLOTS * runtime.slot_bytes:
             return mode
     return None
 
@@ -166,6 +169,6 @@ def _plan_memory(runtime, available):
 def _lru_slots(runtime, available) -> int:
     """Pool slots the caching policy would run as an LRU beside its pinned hot set."""
     total = len(runtime.expert_keys)
-    slots = total if available is None else min(total, available // runtime.expert_bytes)
+    slots = total if available is None else min(total, available // runtime.slot_bytes)
     hot = CachingPolicy.hot_per_block(runtime.config, runtime.options.cache_fraction) * len(runtime.config.moe_layer_ids)
     return max(0, slots - hot)

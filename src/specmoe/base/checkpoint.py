@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 
@@ -19,6 +21,17 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .errors import SpecMoEError
+from .model_config import read_json
+from .quantization import ExpertQuant
+from .quantized_tensors import (
+    FP8_DTYPES,
+    CompressedTensors,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    pack_blob,
+    stack_rows,
+    unpack_nibbles,
+)
 
 # Per-layer tensors, as templates under "{prefix}layers.{i}.". The first name present wins.
 # Mixtral and Phi-3.5-MoE write their MoE block as `block_sparse_moe`, Llama 4 as
@@ -90,29 +103,6 @@ FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
     "down_scales": ("mlp.experts.down_proj_scales",),
 }
 
-# The 16 values of a 4-bit float (e2m1): codes 0-7 positive, 8-15 their negatives.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-
-
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Block-scaled FP8 -> float32 (DeepSeek-V3, Kimi-K2): each block x block tile of the
-    weight [out, in] times its entry of scale_inv [ceil(out / b0), ceil(in / b1)]."""
-    rows, cols = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return weight.float() * scale
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 -> float32: blocks [..., G, 16] uint8 (two codes a byte, low nibble first),
-    scales [..., G] uint8 (the block's power of two, biased by 127) -> [..., G * 32]."""
-    lut = torch.tensor(FP4_VALUES)
-    codes = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
-    values = torch.ldexp(codes.reshape(*blocks.shape[:-1], 32), scales.to(torch.int32)[..., None] - 127)
-    return values.reshape(*blocks.shape[:-2], -1)
-
 # Outside the layers; names relative to the text model's prefix ("{prefix}" is e.g. "model.").
 GLOBAL_TENSORS: dict[str, tuple[str, ...]] = {
     "embed": ("{prefix}embed_tokens.weight",),
@@ -127,6 +117,9 @@ GLOBAL_TENSORS: dict[str, tuple[str, ...]] = {
 TEXT_PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEADER_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "U8": "e8m0"}
+# What a quantized Linear stores beside (or instead of) its `.weight`: not tensors the engine loads.
+QUANT_PARTS = re.compile(r"\.weight_(packed|scale|shape|zero_point|g_idx|scale_inv)$")
 
 
 class Checkpoint:
@@ -143,6 +136,11 @@ class Checkpoint:
         self._fused_cache: dict[tuple[int, str], torch.Tensor] = {}
         self._file_of = self._read_index()
         self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self._file_of), "model.")
+        qc = read_json(self.dir / "config.json").get("quantization_config") or {}
+        self.ct = CompressedTensors(qc, str(self.dir)) if qc.get("quant_method") == "compressed-tensors" else None
+        # compressed-tensors' packed weights: `X.weight` is served dequantized from `X.weight_packed`
+        self._packed = {n.removesuffix("_packed") for n in self._file_of if n.endswith(".weight_packed")}
+        self.config = replace(self.config, expert_quant=self._stored_expert_quant())
 
     # --- the index ------------------------------------------------------------------
 
@@ -183,14 +181,19 @@ class Checkpoint:
 
     @property
     def names(self) -> set[str]:
-        return set(self._file_of)
+        return set(self._file_of) | self._packed
 
     def has(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._file_of or name in self._packed
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the file header, without reading its bytes."""
+        if name in self._packed:
+            return tuple(int(v) for v in self._raw(name + "_shape").tolist())
         return tuple(self._open(self._file_of[name]).get_slice(name).get_shape())
+
+    def _header_dtype(self, name: str) -> str:
+        return self._open(self._file_of[name]).get_slice(name).get_dtype()
 
     def is_routed_expert(self, name: str) -> bool:
         return ".experts." in name
@@ -200,22 +203,29 @@ class Checkpoint:
         layers past num_hidden_layers, not a vision tower) and its embedding, norm and head."""
         layers = tuple(f"{self.prefix}layers.{i}." for i in range(self.config.num_layers))
         globals_ = {t.format(prefix=self.prefix) for ts in GLOBAL_TENSORS.values() for t in ts}
-        return sorted(n for n in self._file_of
-                      if (n.startswith(layers) or n in globals_) and not n.endswith("_scale_inv"))
+        return sorted(n for n in self.names if (n.startswith(layers) or n in globals_) and not QUANT_PARTS.search(n))
 
     def tensor(self, name: str) -> torch.Tensor:
+        """A tensor as the model computes with it: quantized weights (other than the
+        experts' blobs, `expert_blob`) read as float32 at the checkpoint's values."""
+        if self.ct is not None and (name in self._packed or name + "_scale" in self._file_of):
+            module = name.removesuffix(".weight")
+            parts = {p: self._raw(f"{module}.{p}") for p in ("weight", "weight_packed", "weight_scale", "weight_shape",
+                                                             "weight_zero_point") if f"{module}.{p}" in self._file_of}
+            return self.ct.dequantize(module, parts)
+        t = self._raw(name)
+        if t.dtype in FP8_DTYPES and name + "_scale_inv" in self._file_of:
+            return dequantize_fp8(t, self._raw(name + "_scale_inv"), self.config.weight_block_size)
+        return t
+
+    def _raw(self, name: str) -> torch.Tensor:
+        """A tensor as the file stores it."""
         if name not in self._file_of:
             raise SpecMoEError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
         fname = self._file_of[name]
         try:
-            t = self._open(fname).get_tensor(name)
-            scale = name + "_scale_inv"
-            if t.dtype in FP8_DTYPES and scale in self._file_of:  # read as float32, at the checkpoint's values
-                return dequantize_fp8(t, self.tensor(scale), self.config.weight_block_size)
-            return t
-        except SpecMoEError:
-            raise
-        except Exception as exc:
+            return self._open(fname).get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types
             raise SpecMoEError(f"{self.dir / fname}: cannot read tensor {name!r} ({exc}); the file is corrupt") from None
 
     # --- tensors by role --------------------------------------------------------------
@@ -223,7 +233,7 @@ class Checkpoint:
     def find(self, candidates: tuple[str, ...], **fmt) -> str | None:
         for template in candidates:
             name = template.format(**fmt)
-            if name in self._file_of:
+            if self.has(name):
                 return name
         return None
 
@@ -263,23 +273,90 @@ class Checkpoint:
 
     def expert_buffer(self, layer: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Routed expert `expert` of `layer` as one contiguous 1-D buffer in the layout of
-        `ExpertSpec`: [w_in (gate rows, then up rows) | w_out | b_in | b_out]."""
+        `ExpertSpec`: [w_in (gate rows, then up rows) | w_out | b_in | b_out], dequantized
+        where the checkpoint quantized it (`expert_blob` keeps it quantized)."""
         spec = self.config.expert
         if self.fused_layout:
             parts = self._fused_expert(layer, expert)
         else:
-            pre = f"{self.prefix}layers.{layer}."
             shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter)}
-            parts = []
-            for part in ("gate", "up", "down") if spec.gated else ("up", "down"):
-                candidates = tuple(pre + t for t in EXPERT_TENSORS[part])
-                name = self.find(candidates, e=expert)
-                if name is None:
-                    raise SpecMoEError(
-                        f"{self.dir}: tensor {candidates[0].format(e=expert)!r} is missing from the checkpoint"
-                    )
-                parts.append(self._checked(name, shapes[part]))
+            parts = [self._checked(self._expert_name(layer, expert, part), shapes[part])
+                     for part in (("gate", "up", "down") if spec.gated else ("up", "down"))]
         return torch.cat([p.reshape(-1).to(dtype) for p in parts])
+
+    def _expert_name(self, layer: int, expert: int, part: str) -> str:
+        candidates = tuple(f"{self.prefix}layers.{layer}.{t}" for t in EXPERT_TENSORS[part])
+        name = self.find(candidates, e=expert)
+        if name is None:
+            raise SpecMoEError(f"{self.dir}: tensor {candidates[0].format(e=expert)!r} is missing from the checkpoint")
+        return name
+
+    # --- quantized experts, kept quantized ----------------------------------------------------
+
+    def _stored_expert_quant(self) -> ExpertQuant | None:
+        """config.json's word on how the experts are quantized, checked against the tensors:
+        experts the checkpoint left in float are float; the scales have the file's dtype."""
+        q = self.config.expert_quant
+        if q is None or not self.config.moe_layer_ids:
+            return q
+        if q.source == "mxfp4":
+            return q if self.mxfp4 else None
+        if self.fused_layout:
+            raise SpecMoEError(f"{self.dir}: {q.source} experts in the fused layout are not supported; specmoe reads "
+                               "quantized experts stored one tensor per expert (the Hub's layout)")
+        scale = self._expert_name(self.config.moe_layer_ids[0], 0, "down") + (
+            "_scale_inv" if q.source == "fp8" else "_scale")
+        if scale not in self._file_of:
+            return None  # quantization left the experts in float
+        dtype = HEADER_DTYPES.get(self._header_dtype(scale))
+        if dtype is None or dtype == "e8m0":
+            raise SpecMoEError(f"{self.dir}: expert scales {scale!r} are {self._header_dtype(scale)}; specmoe reads "
+                               "float32, bfloat16 or float16 scales")
+        return q.with_scale_dtype(dtype)
+
+    def expert_blob(self, layer: int, expert: int) -> torch.Tensor:
+        """Routed expert `expert` of `layer` as the checkpoint quantized it: one uint8 blob
+        (layout: `ExpertQuant.sections`), the unit the tiers store and move."""
+        q = self.config.expert_quant
+        if q.source == "mxfp4":
+            return pack_blob(q, *self._mxfp4_expert(layer, expert))
+        gated = self.config.expert.gated
+        parts = [self._stored_matrix(self._expert_name(layer, expert, p), q.w_in) for p in
+                 (("gate", "up") if gated else ("up",))]
+        w_out = self._stored_matrix(self._expert_name(layer, expert, "down"), q.w_out)
+        return pack_blob(q, stack_rows(parts, q.part_block_rows, q.w_in), w_out)
+
+    def _stored_matrix(self, name: str, m) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales [scale rows, column groups]) of one quantized expert matrix, as stored."""
+        module = name.removesuffix(".weight")
+        if self.ct is None:  # block-scaled FP8
+            codes, scales = self._raw(name), self._raw(name + "_scale_inv")
+        else:
+            codes = self.ct.codes({p: self._raw(f"{module}.{p}") for p in ("weight", "weight_packed", "weight_shape")
+                                   if f"{module}.{p}" in self._file_of}, m.bits)
+            scales = self._raw(name + "_scale")
+        want = torch.int8 if m.codes.startswith("int") else torch.float8_e4m3fn
+        if codes.dtype != want or codes.dim() != 2:
+            raise SpecMoEError(f"{self.dir}: expert weight {name!r} is {codes.dtype} {list(codes.shape)}; config.json "
+                               f"says {m.codes} codes")
+        return codes, scales.reshape(-1, -(-codes.shape[1] // m.group))
+
+    def _mxfp4_expert(self, layer: int, expert: int):
+        """GPT-OSS: (w_in, w_out) as (e2m1 codes, e8m0 scales), and the biases."""
+        c = self.config
+        spec, E = c.expert, c.num_experts
+        R, D, I = spec.in_rows, spec.hidden, spec.inter
+
+        def matrix(part: str, rows: int, cols: int):
+            blocks = self._fused(layer, f"{part}_blocks", (E, rows, cols // 32, 16))[expert]
+            return unpack_nibbles(blocks.reshape(rows, cols // 2)), self._fused(layer, f"{part}_scales",
+                                                                                 (E, rows, cols // 32))[expert]
+
+        w_in, w_out = matrix("gate_up", R, D), matrix("down", D, I)
+        b_in, b_out = self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]
+        if c.family.gate_up_interleaved:  # gate rows first, as in the buffer's layout
+            w_in, b_in = tuple(_deinterleave(t) for t in w_in), _deinterleave(b_in)
+        return w_in, w_out, b_in, b_out
 
     def _fused_expert(self, layer: int, expert: int) -> list[torch.Tensor]:
         """One expert's slices of the layer's fused tensors, turned into the buffer's layout."""
@@ -301,9 +378,9 @@ class Checkpoint:
         if spec.bias:
             parts += [self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]]
         if fam.gate_up_interleaved:  # rows gate, up, gate, up, ...: gate rows first instead
-            parts[0] = torch.cat([parts[0][0::2], parts[0][1::2]])
+            parts[0] = _deinterleave(parts[0])
             if spec.bias:
-                parts[2] = torch.cat([parts[2][0::2], parts[2][1::2]])
+                parts[2] = _deinterleave(parts[2])
         return parts
 
     def _fused(self, layer: int, part: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -332,3 +409,8 @@ class Checkpoint:
             st = (self.dir / fname).stat()
             parts.append(f"{fname}:{st.st_size}:{st.st_mtime_ns}")
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _deinterleave(rows: torch.Tensor) -> torch.Tensor:
+    """Rows gate, up, gate, up, ... (GPT-OSS) -> the gate rows, then the up rows."""
+    return torch.cat([rows[0::2], rows[1::2]])

@@ -10,6 +10,7 @@ from pathlib import Path
 from . import families as fam
 from .errors import SpecMoEError
 from .families import FAMILIES, Family
+from .quantization import ExpertQuant, expert_quant
 from .specs import AttentionSpec, AttentionWindow, ExpertSpec, RopeSpec, RouterSpec, cache_positions
 
 
@@ -39,6 +40,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     weight_block_size: tuple[int, int] = (128, 128)  # FP8 checkpoints: the tile each weight scale covers
+    expert_quant: ExpertQuant | None = None  # how the routed experts are stored when quantized (None: float)
 
     def __post_init__(self):
         for name in ("moe_layers", "windows", "rope_layers"):
@@ -75,6 +77,11 @@ class ModelConfig:
         """Elements of one routed expert's buffer (its matrices, and biases where it has them)."""
         return self.expert.numel
 
+    def expert_bytes(self, elem_bytes: int) -> int:
+        """Bytes of one routed expert as the tiers hold and move it: its quantized blob, or
+        its elements in the compute dtype (`elem_bytes` each)."""
+        return self.expert_quant.nbytes if self.expert_quant else self.expert.numel * elem_bytes
+
     @property
     def kv_elements_per_token(self) -> int:
         """What the KV cache stores per token, all layers (MLA: the compressed latent)."""
@@ -109,6 +116,9 @@ class ModelConfig:
         inter = int(need(family.expert_intermediate_key))
         attention, rope = fam.attention_spec(family, cfg, where, arch)
         generation = generation or {}
+        expert = fam.expert_spec(family, cfg, hidden, inter)
+        torch_dtype = str(outer.get("torch_dtype") or outer.get("dtype") or cfg.get("torch_dtype")
+                          or cfg.get("dtype") or "float32")
         eos = generation.get("eos_token_id", cfg.get("eos_token_id", outer.get("eos_token_id")))
         return cls(
             architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=num_layers,
@@ -118,7 +128,7 @@ class ModelConfig:
             moe_layers=fam.moe_layers(family, cfg, num_layers, num_experts),
             attention=attention, rope=rope,
             router=fam.router_spec(family, cfg, top_k, num_experts, where),
-            expert=fam.expert_spec(family, cfg, hidden, inter),
+            expert=expert,
             windows=fam.layer_windows(family, cfg, num_layers, where),
             rope_layers=fam.rope_layers(family, cfg, num_layers),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -126,9 +136,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
             bos_token_id=generation.get("bos_token_id", cfg.get("bos_token_id", outer.get("bos_token_id"))),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-            torch_dtype=str(outer.get("torch_dtype") or outer.get("dtype") or cfg.get("torch_dtype")
-                            or cfg.get("dtype") or "float32"),
+            torch_dtype=torch_dtype,
             weight_block_size=tuple((outer.get("quantization_config") or {}).get("weight_block_size") or (128, 128)),
+            expert_quant=expert_quant(outer, expert, torch_dtype, where),
         )
 
     @classmethod

@@ -71,6 +71,44 @@ def quant_ablation(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# --- benchmarks/quantized_models.py ------------------------------------------------------------------
+
+
+def quantized_models(doc: dict) -> str:
+    """The demo model and its quantized variants: what an expert is, held-out perplexity,
+    what quantizing cost in memory; then each policy's speed and bytes per batch size."""
+    c, models = doc["config"], doc["models"]
+    rows = []
+    for name, m in models.items():
+        q = m.get("quantize")
+        peak = "–"
+        if q:
+            grown, largest = q["peak_rss_growth_bytes"], q["largest_tensor_bytes"]
+            peak = f"{grown / 2**20:.2f} MiB = {grown / largest:.2f}x its largest tensor ({largest / 2**20:.1f} MiB)"
+        rows.append([name, m["expert_format"], f"{m['expert_bytes'] / 2**10:.1f} KiB", f"{m['perplexity']:.3f}", peak])
+    tokens = next(iter(models.values()))["perplexity_tokens"]
+    out = [md_table(["model", "experts", "one expert", f"held-out perplexity ({tokens} tokens)",
+                     "`specmoe quantize` peak memory"], rows), ""]
+    batches = sorted({r["batch_size"] for r in doc["records"]})
+    rows = []
+    for name in models:
+        for policy in c["policies"]:
+            cells = []
+            for b in batches:
+                r = next((r for r in doc["records"] if (r["model"], r["policy"], r["batch_size"]) == (name, policy, b)),
+                         None)
+                cells.append("–" if not r or r.get("skipped") else
+                             f"{r['decode_tokens_per_s']:.1f} (×{_f(r.get('vs_ondemand_bf16'), '{:.2f}')}), "
+                             f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB")
+            rows.append([name, policy, *cells])
+    out += [f"Disk tier, {c['dtype']}, γ = {c['gamma']}, {c['max_tokens']} tokens per sequence, {c['batches']} x B "
+            f"held-out prompts, median of {c['repeats']} interleaved rounds; every model in the same device memory "
+            f"(non-expert + KV + {c['expert_fraction']:.0%} of the bf16 expert bytes). Each cell: decode tokens/s "
+            "(× ondemand on the bf16 model at that B), expert bytes moved per generated token.", "",
+            md_table(["model", "policy", *[f"B = {b}" for b in batches]], rows)]
+    return "\n".join(out) + "\n"
+
+
 # --- benchmarks/spec_identity.py ---------------------------------------------------------------------
 
 

@@ -143,9 +143,11 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
     for _ in range(s.num_dense_layers):
         w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
     expert_bytes, expert_ops = s.expert_bytes, LAUNCHES_PER_EXPERT
-    if quant_bits:
-        expert_bytes = s.expert_bytes * quant_bits / (8 * bpp)
+    if s.expert_bytes_per_param:  # the model's own experts are quantized: dequantized per run too
         expert_ops += DEQUANT_OPS
+    if quant_bits:
+        expert_bytes = s.expert_params * quant_bits / 8
+        expert_ops = LAUNCHES_PER_EXPERT + DEQUANT_OPS
     for _ in range(s.num_moe_layers):
         small = s.router_params + s.shared_expert_params  # router + shared expert: every position
         w.add(hw, 2 * P * small, small * bpp, ROUTER_OPS)

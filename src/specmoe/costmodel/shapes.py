@@ -36,6 +36,7 @@ class ModelShape:
     shared_expert_intermediate: int = 0  # per MoE layer, always active (0: none)
     dense_intermediate: int = 0  # FFN of the non-MoE layers
     bytes_per_param: float = 2.0
+    expert_bytes_per_param: float = 0.0  # routed experts' own, when quantized (scales included); 0: bytes_per_param
     expert_matrices: int = 3  # 3: gated (SwiGLU: gate, up, down); 2: plain (fc1, fc2)
     tied_embeddings: bool = False
     attention_params_per_layer: int = 0  # 0: GQA projections from the head counts; MLA: its own count
@@ -59,7 +60,7 @@ class ModelShape:
             raise ValueError(f"model shape {self.name}: moe_layers must be distinct indices in 0..{self.num_layers - 1}")
         if self.num_layers > len(self.moe_layers) and self.dense_intermediate <= 0:
             raise ValueError(f"model shape {self.name}: dense layers present but dense_intermediate is 0")
-        if self.bytes_per_param <= 0:
+        if self.bytes_per_param <= 0 or self.expert_bytes_per_param < 0:
             raise ValueError(f"model shape {self.name}: bytes_per_param must be positive")
 
     # ---- parameter counts ----------------------------------------------------------------
@@ -108,8 +109,8 @@ class ModelShape:
     # ---- bytes -----------------------------------------------------------------------------
     @property
     def expert_bytes(self) -> int:
-        """One routed expert."""
-        return int(self.expert_params * self.bytes_per_param)
+        """One routed expert, as the tiers hold and move it."""
+        return int(self.expert_params * (self.expert_bytes_per_param or self.bytes_per_param))
 
     @property
     def expert_bytes_total(self) -> int:
@@ -254,6 +255,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         mla = dict(kv_elements_per_layer=a.kv_elements_per_token, attention_params_per_layer=mla_params(
             config.hidden_size, a.num_heads, a.q_lora_rank, a.kv_lora_rank, a.qk_nope_dim, a.qk_rope_dim, a.v_head_dim))
     windows = [w.size for w in config.windows if w is not None]
+    quant = config.expert_quant  # its blob: what moves per expert
     return ModelShape(
         name=name, num_layers=config.num_layers, moe_layers=config.moe_layer_ids, hidden=config.hidden_size,
         num_experts=config.num_experts, top_k=config.top_k, expert_intermediate=config.expert_intermediate_size,
@@ -261,6 +263,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         dense_intermediate=config.dense_intermediate_size if dense_layers else 0,
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         vocab=config.vocab_size, bytes_per_param=float(_DTYPE_BYTES[dtype]),
+        expert_bytes_per_param=quant.nbytes / config.expert_params if quant else 0.0,
         tied_embeddings=config.tie_word_embeddings, expert_matrices=3 if config.expert.gated else 2,
         windowed_layers=len(windows), window=max(windows, default=0), **mla,
     )

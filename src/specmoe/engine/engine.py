@@ -22,6 +22,7 @@ from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
+from ..experts.formats import expert_format
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
@@ -87,9 +88,9 @@ class Engine:
         rollback = max(options.gamma, MAX_GAMMA)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
-        expert_bytes = self.config.expert_params * elem
+        slot_bytes = expert_format(self.config, self.dtype, self.device).slot_bytes  # a quantized expert: its blob
         # the smallest budget this configuration runs in: every error about the budget names it
-        minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
+        minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         self.model = MoETransformer(self.config, weights, self.device, self.dtype)
@@ -131,8 +132,9 @@ class Engine:
         share = expert_share(device_memory)
         if share is None:
             return device_memory
-        experts = self.config.expert_params * len(self.config.moe_layer_ids) * self.config.num_experts
-        return int(non_expert + kv + share * experts * torch.tensor([], dtype=self.dtype).element_size())
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        experts = self.config.expert_bytes(elem) * len(self.config.moe_layer_ids) * self.config.num_experts
+        return int(non_expert + kv + share * experts)
 
     # --- requests ----------------------------------------------------------------------
 

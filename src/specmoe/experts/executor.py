@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.specs import ExpertSpec
-from ..model.moe import ExpertGroups, combine, run_expert
+from ..model.moe import ExpertGroups, combine
+from .formats import ExpertFormat
 from .pool import DevicePool, Key
 from .store import ExpertStore
 from .transfer import TransferEngine
@@ -33,9 +33,9 @@ class BlockCounters:
 
 
 class BlockExecutor:
-    def __init__(self, store: ExpertStore, pool: DevicePool, transfer: TransferEngine, spec: ExpertSpec):
+    def __init__(self, store: ExpertStore, pool: DevicePool, transfer: TransferEngine, fmt: ExpertFormat):
         self.store, self.pool, self.transfer = store, pool, transfer
-        self.spec = spec
+        self.format = fmt
         self.reset()
 
     def reset(self) -> None:
@@ -86,7 +86,7 @@ class BlockExecutor:
 
     def compute(self, key: Key, xs: torch.Tensor) -> torch.Tensor:
         """Run a pinned resident expert, then unpin it: the block is done with it."""
-        y = run_expert(self.pool.get(key), xs, self.spec)
+        y = self.format.forward(self.pool.get(key), xs)
         self.pool.table.unpin(key)
         return y
 
@@ -117,9 +117,9 @@ class BlockExecutor:
         weights = self.store.host_tensor(key)
         self.counters.host_tokens += xs.shape[0]
         if xs.device.type == "cpu":
-            return run_expert(weights, xs, self.spec)
+            return self.format.forward_stored(weights, xs)
         self.counters.activation_bytes += 2 * xs.numel() * xs.element_size()
-        return run_expert(weights, xs.cpu(), self.spec).to(xs.device)
+        return self.format.forward_stored(weights, xs.cpu()).to(xs.device)
 
     def evict_layer(self, layer: int) -> None:
         table = self.pool.table

@@ -7,8 +7,10 @@ Layout::
     MAGIC (8 bytes) | header length (8 bytes, little endian) | header (JSON) | zeros to ALIGN
     blob 0 | blob 1 | ...      each ALIGN bytes aligned: the expert's bytes, then zeros
 
-The header holds the format version, the checkpoint's fingerprint, the dtype, the keys
-in blob order, the expert size, the blob size, and a CRC32 per blob (fixed-width hex, so
+The header holds the format version, the checkpoint's fingerprint, the expert format
+(the compute dtype, or for quantized experts the scheme and every matrix's codes and
+scale grid: `ExpertQuant.identity`), the keys in blob order, the expert size, the blob
+size, and a CRC32 per blob (fixed-width hex, so
 the header's length, and so the file's size, follow from the layout alone).
 
 - Building: under the file's lock (base/files.locked), so concurrent processes build it
@@ -37,7 +39,7 @@ from ..base.units import format_bytes
 
 ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical block size
 MAGIC = b"SPMOEXP\x00"
-VERSION = 2  # 1: blobs only, with a separate JSON manifest
+VERSION = 3  # 1: blobs only, with a separate JSON manifest; 2: float experts only
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
 MAX_HEADER_BYTES = 64 << 20
 Key = tuple[int, int]  # (layer, expert)
@@ -52,9 +54,10 @@ class ExpertLayout:
     """What an expert file must hold: which experts of which checkpoint, in what form."""
 
     checkpoint: str  # Checkpoint.fingerprint()
-    dtype: str  # "float32", "bfloat16", ...
+    dtype: str  # the expert format's name: "float32", "bfloat16", ... or a quantized one ("int4-1x128-bfloat16")
     keys: tuple[Key, ...]
     expert_bytes: int
+    quantization: dict | None = None  # ExpertQuant.identity() of quantized experts
 
     @property
     def blob_size(self) -> int:
@@ -62,7 +65,8 @@ class ExpertLayout:
 
     def identity(self) -> dict:
         return {"format": "specmoe-experts", "version": VERSION, "checkpoint": self.checkpoint, "dtype": self.dtype,
-                "expert_bytes": self.expert_bytes, "blob_size": self.blob_size, "keys": [list(k) for k in self.keys]}
+                "quantization": self.quantization, "expert_bytes": self.expert_bytes, "blob_size": self.blob_size,
+                "keys": [list(k) for k in self.keys]}
 
     def header(self, checksums: list[int]) -> bytes:
         body = json.dumps({**self.identity(), "crc32": [f"{c:08x}" for c in checksums]}).encode()

@@ -1,7 +1,8 @@
 """The device expert pool: a fixed number of expert slots on the compute device.
 
 Bookkeeping is plain Python (`SlotTable`); the tensor is one [slots, numel] buffer
-reserved in the device budget once. Pinned experts (in use by the running layer, or the
+reserved in the device budget once, a slot the size of one expert in its format (a
+quantized expert's blob: the same budget holds as many more experts as it is smaller). Pinned experts (in use by the running layer, or the
 draft set, or a static hot set) are never evicted; the rest are evicted least recently
 used first.
 """
@@ -15,6 +16,7 @@ import torch
 from ..base.errors import SpecMoEError
 from ..base.units import format_bytes
 from .budget import DeviceBudget
+from .formats import ExpertFormat
 
 Key = tuple[int, int]
 
@@ -80,9 +82,9 @@ class SlotTable:
 class DevicePool:
     """Expert slots on the compute device, inside the device budget."""
 
-    def __init__(self, num_slots: int, numel: int, dtype: torch.dtype, device: torch.device, budget: DeviceBudget,
+    def __init__(self, num_slots: int, fmt: ExpertFormat, device: torch.device, budget: DeviceBudget,
                  policy_name: str, min_slots: int):
-        expert_bytes = numel * torch.tensor([], dtype=dtype).element_size()
+        expert_bytes = fmt.slot_bytes
         if num_slots < min_slots:
             raise SpecMoEError(
                 f"device memory {format_bytes(budget.limit or 0)} leaves room for {num_slots} experts; policy "
@@ -91,8 +93,10 @@ class DevicePool:
             )
         budget.reserve("expert pool", num_slots * expert_bytes)
         self.table = SlotTable(num_slots)
-        self.buffers = torch.empty(num_slots, numel, dtype=dtype, device=device)
-        self.expert_bytes = expert_bytes
+        self.buffers = torch.empty(num_slots, fmt.slot_numel, dtype=fmt.slot_dtype, device=device)
+        self.format = fmt
+        self.slot_bytes = expert_bytes
+        self.expert_bytes = fmt.nbytes  # what a fetch into a slot moves
 
     @property
     def num_slots(self) -> int:

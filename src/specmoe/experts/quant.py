@@ -47,6 +47,13 @@ SCALE_DTYPE = torch.float16
 FORMAT_VERSION = 1  # part of the cache file name: bump when the layout changes
 
 
+def draft_modes(expert_quant) -> tuple[str, ...]:
+    """The copies `--draft-quant auto` may take, most precise first: those with fewer bits
+    than the experts themselves (an int8 copy of int8 experts would save nothing)."""
+    bits = expert_quant.w_in.bits if expert_quant is not None else 16
+    return tuple(mode for mode in ("int8", "int4") if BITS[mode] < bits)
+
+
 def check_mode(mode: str) -> None:
     if mode not in QUANT_MODES:
         raise SpecMoEError(f"unknown draft_quant {mode!r}; choose one of: {', '.join(QUANT_MODES)}")

@@ -27,10 +27,12 @@ from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, os_failure, warn
 from ..base.paths import offload_dir
 from .expert_file import ALIGN, ExpertLayout, Key, open_or_build, repair_blob
+from .formats import ExpertFormat
 
 
 class ExpertStore:
-    """All routed experts of a model in the slow tier, each one contiguous buffer."""
+    """All routed experts of a model in the slow tier, each one contiguous buffer of
+    `numel` elements of `dtype` (the expert format's: compute dtype, or a quantized blob)."""
 
     tier = "none"
 
@@ -71,11 +73,10 @@ class ExpertStore:
 class HostStore(ExpertStore):
     tier = "host"
 
-    def __init__(self, ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, pin: bool, bandwidth=None):
-        numel = ckpt.config.expert_params
-        super().__init__(keys, numel, dtype, bandwidth)
+    def __init__(self, ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, pin: bool, bandwidth=None):
+        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth)
         self.index = {key: i for i, key in enumerate(keys)}
-        self.buffers = torch.empty(len(keys), numel, dtype=dtype)
+        self.buffers = torch.empty(len(keys), fmt.numel, dtype=fmt.storage_dtype)
         self.pinned = False
         if pin:
             try:
@@ -84,7 +85,7 @@ class HostStore(ExpertStore):
             except RuntimeError as exc:  # e.g. locked-memory limits
                 warn(f"could not pin host memory for experts ({exc}); copies will be synchronous")
         for key, i in self.index.items():
-            self.buffers[i].copy_(ckpt.expert_buffer(*key, dtype))
+            self.buffers[i].copy_(fmt.read(ckpt, *key))
 
     def _read(self, key: Key, dest: torch.Tensor) -> None:
         dest.copy_(self.buffers[self.index[key]])
@@ -98,17 +99,16 @@ class DiskStore(ExpertStore):
 
     tier = "disk"
 
-    def __init__(self, ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, directory: str | None, bandwidth=None):
-        numel = ckpt.config.expert_params
-        super().__init__(keys, numel, dtype, bandwidth)
-        dtype_name = str(dtype).removeprefix("torch.")
+    def __init__(self, ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, directory: str | None, bandwidth=None):
+        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth)
         fingerprint = ckpt.fingerprint()
-        self.layout = ExpertLayout(fingerprint, dtype_name, tuple(keys), self.nbytes)
+        quantization = fmt.quant.identity() if fmt.quant else None
+        self.layout = ExpertLayout(fingerprint, fmt.name, tuple(keys), self.nbytes, quantization)
         self.blob_size = self.layout.blob_size
         base = Path(directory) if directory else offload_dir()
-        self.path = base / f"experts-{fingerprint}-{dtype_name}.bin"
+        self.path = base / f"experts-{fingerprint}-{fmt.name}.bin"
         self.index = {key: i for i, key in enumerate(keys)}
-        self._ckpt = ckpt
+        self._ckpt, self._format = ckpt, fmt
         self._ckpt_lock = threading.Lock()  # the checkpoint's reader is not thread-safe; repairs run on the reader thread
         self.checksums, self.built = open_or_build(self.path, self.layout, self._checkpoint_bytes)
         self.verified = [False] * len(keys)
@@ -120,7 +120,7 @@ class DiskStore(ExpertStore):
 
     def _checkpoint_bytes(self, key: Key) -> bytes:
         with self._ckpt_lock:
-            return self._ckpt.expert_buffer(*key, self.dtype).contiguous().view(torch.uint8).numpy().tobytes()
+            return self._format.read(self._ckpt, *key).contiguous().view(torch.uint8).numpy().tobytes()
 
     def _bounce(self) -> mmap.mmap:
         buf = getattr(self._buffers, "buf", None)
@@ -223,10 +223,10 @@ def direct_io_support(directory: Path) -> tuple[bool, str]:
         probe.unlink(missing_ok=True)
 
 
-def open_store(ckpt: Checkpoint, keys: list[Key], dtype: torch.dtype, device: torch.device, tier: str,
+def open_store(ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, device: torch.device, tier: str,
                directory: str | None = None, bandwidth: float | None = None) -> ExpertStore:
     if tier == "host":
-        return HostStore(ckpt, keys, dtype, pin=device.type == "cuda", bandwidth=bandwidth)
+        return HostStore(ckpt, keys, fmt, pin=device.type == "cuda", bandwidth=bandwidth)
     if tier == "disk":
-        return DiskStore(ckpt, keys, dtype, directory, bandwidth)
+        return DiskStore(ckpt, keys, fmt, directory, bandwidth)
     raise SpecMoEError(f"unknown offload tier {tier!r}; choose one of: disk, host")

@@ -30,6 +30,8 @@ class TransferEngine:
         self.staging = None
         if self.cuda and store.host_tensor(store.keys[0]) is None:  # disk -> pinned staging -> device
             self.staging = torch.empty(store.numel, dtype=store.dtype).pin_memory()
+        # a slot in another layout than the stored one (int4 for the CPU kernel): read, then convert
+        self.converting = torch.empty(store.numel, dtype=store.dtype) if pool.format.converts else None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -65,7 +67,11 @@ class TransferEngine:
 
     def _load(self, key: Key, dest: torch.Tensor, after=None):
         if not self.cuda:
-            self.store.read_into(key, dest)
+            if self.converting is None:
+                self.store.read_into(key, dest)
+            else:  # on this reader thread, off the compute thread
+                self.store.read_into(key, self.converting)
+                self.pool.format.prepare(self.converting, dest)
             return None
         source = self.store.host_tensor(key)
         if source is None:

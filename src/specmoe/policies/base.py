@@ -24,6 +24,7 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, ModelConfig
 from ..experts.budget import DeviceBudget
+from ..experts.formats import ExpertFormat, expert_format
 from ..model.moe import ExpertBackend, Routing
 
 PASS_KINDS = ("prefill", "decode", "draft", "verify")
@@ -43,12 +44,30 @@ class Runtime:
     max_model_len: int = 2048  # KV positions reserved per sequence
 
     @property
+    def expert_format(self) -> ExpertFormat:
+        """How experts are held and moved: the checkpoint's quantized blobs, or the compute dtype."""
+        return expert_format(self.config, self.dtype, self.device)
+
+    @property
     def expert_bytes(self) -> int:
-        return self.config.expert_params * torch.tensor([], dtype=self.dtype).element_size()
+        """What one fetch moves."""
+        return self.expert_format.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """What one expert takes in the device pool."""
+        return self.expert_format.slot_bytes
 
     @property
     def expert_keys(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer in self.config.moe_layer_ids for e in range(self.config.num_experts)]
+
+
+def reserve_scratch(runtime: Runtime) -> None:
+    """A quantized expert is dequantized one matrix at a time where it is computed: room for one."""
+    scratch = runtime.expert_format.scratch_bytes(runtime.dtype)
+    if scratch:
+        runtime.budget.reserve("expert dequantization scratch", scratch)
 
 
 class Policy:
@@ -62,8 +81,10 @@ class Policy:
 
     @classmethod
     def min_device_bytes(cls, config, options, expert_bytes: int, device, dtype) -> int:
-        """Device bytes the policy needs beside the weights and the KV cache to run at all."""
-        return cls.min_slots(config, options) * expert_bytes
+        """Device bytes the policy needs beside the weights and the KV cache to run at all:
+        its slots (`expert_bytes` each: a pool slot's size), and the scratch a quantized
+        expert dequantizes into."""
+        return cls.min_slots(config, options) * expert_bytes + expert_format(config, dtype, device).scratch_bytes(dtype)
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime

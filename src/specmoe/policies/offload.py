@@ -11,7 +11,7 @@ from ..experts.pool import DevicePool, Key, slots_for_budget
 from ..experts.store import open_store
 from ..experts.transfer import TransferEngine
 from ..model.moe import Routing, group_by_expert
-from .base import Policy, Runtime
+from .base import Policy, Runtime, reserve_scratch
 
 
 class OffloadPolicy(Policy):
@@ -32,14 +32,16 @@ class OffloadPolicy(Policy):
         super().__init__(runtime)
         opts = runtime.options
         c = runtime.config
+        fmt = runtime.expert_format
         self.store = open_store(
-            runtime.checkpoint, runtime.expert_keys, runtime.dtype, runtime.device, opts.offload,
+            runtime.checkpoint, runtime.expert_keys, fmt, runtime.device, opts.offload,
             opts.offload_dir, opts.offload_bandwidth,
         )
-        slots = slots_for_budget(runtime.budget, runtime.expert_bytes, len(runtime.expert_keys), self.pool_slots_wanted())
-        self.pool = DevicePool(slots, c.expert_params, runtime.dtype, runtime.device, runtime.budget, self.name, self.min_slots(c, opts))
+        reserve_scratch(runtime)
+        slots = slots_for_budget(runtime.budget, fmt.slot_bytes, len(runtime.expert_keys), self.pool_slots_wanted())
+        self.pool = DevicePool(slots, fmt, runtime.device, runtime.budget, self.name, self.min_slots(c, opts))
         self.transfer = TransferEngine(self.store, self.pool, runtime.device)
-        self.blocks = BlockExecutor(self.store, self.pool, self.transfer, c.expert)
+        self.blocks = BlockExecutor(self.store, self.pool, self.transfer, fmt)
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.moe import Routing, dispatch, group_by_expert, run_expert
-from .base import Policy, Runtime
+from ..model.moe import Routing, dispatch, group_by_expert
+from .base import Policy, Runtime, reserve_scratch
 
 
 class ResidentPolicy(Policy):
@@ -14,20 +14,27 @@ class ResidentPolicy(Policy):
     def __init__(self, runtime: Runtime):
         super().__init__(runtime)
         c = runtime.config
+        self.format = fmt = runtime.expert_format
+        reserve_scratch(runtime)
         runtime.budget.reserve(
-            "experts", runtime.expert_bytes * len(runtime.expert_keys),
+            "experts", runtime.slot_bytes * len(runtime.expert_keys),
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
         self.experts: dict[int, list[torch.Tensor]] = {
             layer: [
-                runtime.checkpoint.expert_buffer(layer, e, runtime.dtype).to(runtime.device)
+                self._slot(fmt.read(runtime.checkpoint, layer, e))
                 for e in range(c.num_experts)
             ]
             for layer in c.moe_layer_ids
         }
 
+    def _slot(self, stored: torch.Tensor) -> torch.Tensor:
+        slot = torch.empty(self.format.slot_numel, dtype=self.format.slot_dtype, device=self.runtime.device)
+        self.format.prepare(stored, slot)
+        return slot
+
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         c = self.config
         buffers = self.experts[layer]
         groups = group_by_expert(routing, c.num_experts)
-        return dispatch(x, groups, lambda e, xs: run_expert(buffers[e], xs, c.expert))
+        return dispatch(x, groups, lambda e, xs: self.format.forward(buffers[e], xs))

@@ -14,6 +14,7 @@ from ..base.paths import default_model_dir, offload_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
+from ..experts.formats import expert_format
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -54,7 +55,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     # what the engine loads: not a vision tower, not multi-token-prediction layers
     non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.text_names() if not ckpt.is_routed_expert(n))
-    expert_bytes = c.expert_params * elem
+    expert_bytes = c.expert_bytes(elem)  # as the tiers hold and move it: a quantized checkpoint's blob
     num_experts_total = len(c.moe_layer_ids) * c.num_experts
     max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
     kv_per_token = c.kv_elements_per_token * elem
@@ -73,6 +74,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "router": c.router.kind,
         "shared_expert": c.shared_expert_intermediate_size > 0,
         "attention": _attention_summary(c),
+        "expert_format": c.expert_quant.describe() if c.expert_quant else f"{c.torch_dtype} checkpoint, "
+                         f"held in {str(compute_dtype).removeprefix('torch.')}",
         "expert_bytes": expert_bytes,
         "expert_bytes_total": expert_bytes * num_experts_total,
         "non_expert_bytes": non_expert_params * elem,
@@ -94,7 +97,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         else:
             budget = int(info["non_expert_bytes"] + kv + share * info["expert_bytes_total"])
         free = budget - info["non_expert_bytes"] - kv
-        fit = max(0, int(free // expert_bytes))
+        slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes  # a pool slot: about one expert
+        fit = max(0, int(free // slot))
         per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
         info["device_memory"] = budget
         info["kv_reserved_bytes"] = kv

@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from ...model.moe import Routing, combine, group_by_expert, run_expert
+from ...model.moe import Routing, combine, group_by_expert
 
 
 class Drafter:
@@ -43,7 +43,7 @@ class Drafter:
     def _expert(self, layer: int, e: int, xs: torch.Tensor, resident: bool) -> torch.Tensor:
         p = self.policy
         if resident:
-            return run_expert(p.pool.slot_tensor((layer, e)), xs, self.spec)
+            return p.blocks.format.forward(p.pool.slot_tensor((layer, e)), xs)
         return p.quantized.forward(layer, e, xs)
 
     def after_layer(self, layer: int, hidden: torch.Tensor) -> None:

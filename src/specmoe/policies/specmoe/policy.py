@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from ...base.paths import offload_dir
-from ...experts.quant import draft_copy_bytes, quantize_all
+from ...experts.formats import expert_format
+from ...experts.quant import draft_copy_bytes, draft_modes, quantize_all
 from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
@@ -48,14 +49,14 @@ class SpecMoEPolicy(OffloadPolicy):
         if options.draft_compute == "host":
             modes = ("none",)
         else:
-            modes = ("int8", "int4", "none") if options.draft_quant == "auto" else (options.draft_quant,)
+            modes = (*draft_modes(config.expert_quant), "none") if options.draft_quant == "auto" else (options.draft_quant,)
         experts = len(config.moe_layer_ids) * config.num_experts
         need = []
         for mode in modes:
             copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
             need.append(slots * expert_bytes + experts * copy + scratch)
-        return min(need)
+        return min(need) + expert_format(config, dtype, device).scratch_bytes(dtype)
 
     @classmethod
     def default_draft_experts(cls, config, slots: int) -> int:
@@ -90,13 +91,14 @@ class SpecMoEPolicy(OffloadPolicy):
         `auto` (the default) takes the most precise copies that leave room for the working
         slots: int8, else int4, else none (the paper's draft of resident experts only)."""
         opts = runtime.options
-        modes = ("int8", "int4") if opts.draft_quant == "auto" and opts.draft_compute == "device" else (opts.draft_quant,)
+        auto = opts.draft_quant == "auto" and opts.draft_compute == "device"
+        modes = draft_modes(runtime.config.expert_quant) if auto else (opts.draft_quant,)
         for mode in modes:
             if mode in ("none", "auto"):
                 break
             quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, mode, runtime.dtype, cache, runtime.device)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
-            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.expert_bytes:
+            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes:
                 continue  # does not fit beside the working slots: try fewer bits
             runtime.budget.reserve(
                 "quantized draft experts", quantized.nbytes,
@@ -122,7 +124,7 @@ class SpecMoEPolicy(OffloadPolicy):
         s.update(
             draft_set=opts.draft_set, substitution=opts.substitution, draft_compute=opts.draft_compute,
             draft_quant=self.draft_quant,
-            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.expert_bytes,
+            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.slot_bytes,
             draft_quantized_bytes=self.quantized_bytes,
             refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,

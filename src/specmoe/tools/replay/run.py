@@ -27,6 +27,7 @@ from ...base.specs import ExpertSpec
 from ...costmodel.shapes import ModelShape
 from ...experts.budget import DeviceBudget
 from ...experts.executor import BlockExecutor
+from ...experts.formats import FloatFormat
 from ...experts.pool import DevicePool, Key
 from ...experts.store import ExpertStore
 from ...experts.transfer import TransferEngine
@@ -166,9 +167,10 @@ class PolicyReplay:
             self._close()
 
     def _open(self) -> None:
-        pool = DevicePool(self.slots, self.store.numel, self.dtype, self.device, DeviceBudget(None), self.policy, 1)
+        fmt = FloatFormat(self.expert_spec, self.dtype)
+        pool = DevicePool(self.slots, fmt, self.device, DeviceBudget(None), self.policy, 1)
         self.transfer = TransferEngine(self.store, pool, self.device)
-        self.blocks = BlockExecutor(self.store, pool, self.transfer, self.expert_spec)
+        self.blocks = BlockExecutor(self.store, pool, self.transfer, fmt)
 
     def _close(self) -> None:
         self.transfer.close()  # the store is shared by every policy's run: it stays open

@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
+from ...base.specs import ExpertSpec
 from ...base.units import format_bytes
 from ...costmodel.shapes import ModelShape
+from ...experts.formats import FloatFormat
 from ...experts.pool import Key
 from ...experts.store import ExpertStore, open_store
 from .errors import ReplayError
@@ -130,4 +132,5 @@ def open_experts(shape: ModelShape, lmap: LayerMap, dtype: torch.dtype, device: 
     """K replayed layers of random experts in the offload tier, shared by every trace layer."""
     fake = RandomExperts(shape, lmap.physical_layers, seed)
     keys = [(p, e) for p in range(lmap.physical_layers) for e in range(shape.num_experts)]
-    return SharedLayerStore(open_store(fake, keys, dtype, device, offload, offload_dir), lmap)
+    fmt = FloatFormat(ExpertSpec(shape.hidden, shape.expert_intermediate), dtype)
+    return SharedLayerStore(open_store(fake, keys, fmt, device, offload, offload_dir), lmap)

@@ -1,0 +1,275 @@
+"""How one routed expert is held where it lives and how it is computed: the unit the
+offload tiers store and a fetch moves, and the layout a device-pool slot holds it in.
+
+- `FloatFormat`: the expert's weights in the compute dtype, one buffer in the layout of
+  `ExpertSpec` (float checkpoints); a slot holds the same buffer.
+- `QuantizedFormat`: the checkpoint's own quantized bytes, one uint8 blob (layout:
+  base/quantization.py: codes and scales of w_in and w_out, biases). A slot holds the
+  blob, and computing an expert dequantizes each matrix in turn to the compute dtype (one
+  matrix of scratch at a time) and multiplies. On the CPU in bfloat16, int4 matrices with
+  bfloat16 scales are instead converted once, when the expert enters its slot (on the
+  transfer thread), to the layout of torch's fused int4 matmul, the kernel the quantized
+  draft copies use: the expert then multiplies without dequantizing, every time it runs.
+  Such a slot is the blob's size plus its scales once more (bfloat16 pairs of scale and
+  zero); what moves is still the blob.
+
+Every policy computes an expert through its format, so all of them compute the same
+numbers from the same bytes: their outputs are the resident (quantized) model's.
+
+Shapes: T tokens, D hidden, I expert intermediate, R rows of w_in (2I gated, I plain).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..base.checkpoint import Checkpoint
+from ..base.config import ModelConfig
+from ..base.quantization import SECTION_ALIGN, ExpertQuant, MatrixQuant
+from ..base.quantized_tensors import FP4_VALUES, SCALE_DTYPES, expand_scales
+from ..base.specs import ExpertSpec
+from ..model.moe import expert_forward, run_expert
+from .quant import INT4_KERNEL_GROUPS
+
+
+class ExpertFormat:
+    """One routed expert as stored and moved (`numel` of `storage_dtype`, `nbytes`) and as
+    a pool slot holds it (`slot_numel` of `slot_dtype`, `slot_bytes`)."""
+
+    name: str  # names the expert file and goes into its header
+    storage_dtype: torch.dtype
+    numel: int
+    quant: ExpertQuant | None = None
+    converts = False  # whether a slot holds another layout than the stored buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=self.storage_dtype).element_size()
+
+    @property
+    def slot_numel(self) -> int:
+        return self.numel
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        return self.storage_dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_numel * torch.tensor([], dtype=self.slot_dtype).element_size()
+
+    def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
+        """The expert's stored buffer (1-D, `numel` of `storage_dtype`) from the checkpoint."""
+        raise NotImplementedError
+
+    def prepare(self, stored: torch.Tensor, slot: torch.Tensor) -> None:
+        """Fill a slot (on any device) from the stored buffer."""
+        slot.copy_(stored)
+
+    def forward(self, slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The expert on x [T, D] from its slot, on the slot's device, in x's dtype."""
+        return self.forward_stored(slot, x)
+
+    def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The expert on x [T, D] from its stored buffer (the host tier computing it)."""
+        raise NotImplementedError
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """Device bytes a forward allocates beside its activations (a dequantized matrix)."""
+        return 0
+
+
+class FloatFormat(ExpertFormat):
+    storage_dtype = torch.float32
+
+    def __init__(self, spec: ExpertSpec, dtype: torch.dtype):
+        self.spec, self.storage_dtype, self.numel = spec, dtype, spec.numel
+        self.name = str(dtype).removeprefix("torch.")
+
+    def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
+        return ckpt.expert_buffer(layer, expert, self.storage_dtype)
+
+    def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return run_expert(stored, x, self.spec)
+
+
+class QuantizedFormat(ExpertFormat):
+    storage_dtype = torch.uint8
+
+    def __init__(self, spec: ExpertSpec, quant: ExpertQuant, device=None, dtype: torch.dtype | None = None):
+        self.spec, self.quant, self.numel = spec, quant, quant.nbytes
+        self.sections = quant.sections()
+        m = quant.w_in
+        self.name = f"{quant.scheme}-{m.block_rows}x{m.group}-{m.scale_dtype}"
+        self.converts = device is not None and int4_kernel_takes(quant, torch.device(device), dtype)
+        self.slot_sections = _kernel_sections(quant) if self.converts else self.sections
+
+    @property
+    def slot_numel(self) -> int:
+        if not self.converts:
+            return self.numel
+        offset, n = max(self.slot_sections.values())
+        return -(-(offset + n) // SECTION_ALIGN) * SECTION_ALIGN
+
+    def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
+        return ckpt.expert_blob(layer, expert)
+
+    def section(self, buffer: torch.Tensor, name: str, sections=None) -> torch.Tensor:
+        offset, n = (sections or self.sections)[name]
+        return buffer[offset:offset + n]
+
+    def prepare(self, stored: torch.Tensor, slot: torch.Tensor) -> None:
+        if not self.converts:
+            slot.copy_(stored)
+            return
+        for name, m in (("w_in", self.quant.w_in), ("w_out", self.quant.w_out)):
+            codes, scales = self.section(stored, f"{name}.codes"), self.section(stored, f"{name}.scales")
+            packed, scales_zeros = int4_kernel_layout(codes, scales, m)
+            self.section(slot, f"{name}.packed", self.slot_sections).copy_(packed.view(-1))
+            self.section(slot, f"{name}.scales_zeros", self.slot_sections).copy_(scales_zeros.view(-1).view(torch.uint8))
+        if self.quant.bias:
+            for name in ("b_in", "b_out"):
+                self.section(slot, name, self.slot_sections).copy_(self.section(stored, name))
+
+    def forward(self, slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if not self.converts:
+            return self.forward_stored(slot, x)
+        q, sec = self.quant, self.slot_sections
+
+        def linear(name: str, m: MatrixQuant):
+            packed = self.section(slot, f"{name}.packed", sec).view(m.rows, m.cols // 2)
+            scales_zeros = self.section(slot, f"{name}.scales_zeros", sec).view(torch.bfloat16).view(-1, m.rows, 2)
+            return lambda t: torch.ops.aten._weight_int4pack_mm_for_cpu(t, packed, m.group, scales_zeros)
+
+        return expert_forward(self.spec, x, linear("w_in", q.w_in), linear("w_out", q.w_out), *self._biases(slot, x, sec))
+
+    def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q = self.quant
+        return expert_forward(self.spec, x, self._dequantizing(stored, "w_in", q.w_in),
+                              self._dequantizing(stored, "w_out", q.w_out), *self._biases(stored, x, self.sections))
+
+    def _biases(self, buffer: torch.Tensor, x: torch.Tensor, sections) -> tuple:
+        if not self.quant.bias:
+            return None, None
+        return tuple(self.section(buffer, n, sections).view(torch.float32).to(x.dtype) for n in ("b_in", "b_out"))
+
+    def _dequantizing(self, stored: torch.Tensor, name: str, m: MatrixQuant):
+        codes, scales = self.section(stored, f"{name}.codes"), self.section(stored, f"{name}.scales")
+        return lambda x: F.linear(x, dequantize(codes, scales, m, x.dtype))
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        if self.converts:
+            return 0
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return max(m.rows * m.cols for m in (self.quant.w_in, self.quant.w_out)) * elem
+
+
+def expert_format(config: ModelConfig, dtype: torch.dtype, device=None) -> ExpertFormat:
+    """How this model's experts are held: the checkpoint's quantized blobs, else the compute
+    dtype; `device` (where the pool is) decides a slot's layout."""
+    if config.expert_quant is not None:
+        return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
+    return FloatFormat(config.expert, dtype)
+
+
+# --- dequantization -------------------------------------------------------------------------------
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant, dtype: torch.dtype) -> torch.Tensor:
+    """One matrix [rows, cols] in `dtype` from its blob sections (uint8 views): codes times
+    their block's scale, scaled in place."""
+    w, factor = _values(codes, m, dtype)
+    s = _scales(scales, m, dtype)
+    if factor != 1.0:
+        s = s * factor
+        if not torch.isfinite(s).all():  # a scale too large to carry the factor: convert the codes plainly
+            w, s = _plain_values(codes, m, dtype), _scales(scales, m, dtype)
+    rows_per, group = m.block_rows, m.group
+    if m.rows % rows_per == 0 and m.cols % group == 0:
+        w.view(s.shape[0], rows_per, s.shape[1], group).mul_(s[:, None, :, None])
+    else:  # partial blocks at the edges
+        w.mul_(expand_scales(s, (rows_per, group), (m.rows, m.cols)))
+    return w
+
+
+# Float codes are converted by moving their bits into bfloat16's (exact: bfloat16 has more
+# exponent and mantissa bits), which leaves each value times a power of two that the scales
+# take back: e4m3 (s eeee mmm) -> bfloat16 s 0000eeee mmm0000 = value * 2^-120; e2m1
+# (s ee m) -> s 000000ee m000000 = value * 2^-126. Faster on the CPU than torch's own
+# float8 conversion or a table lookup, and the same on any device.
+FP8_FACTOR, FP4_FACTOR = 2.0 ** 120, 2.0 ** 126
+
+
+def _values(codes: torch.Tensor, m: MatrixQuant, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """The codes as numbers [rows, cols] in `dtype`, and the factor the scales must take on."""
+    if m.codes == "int8":
+        return codes.view(torch.int8).view(m.rows, m.cols).to(dtype), 1.0
+    if m.codes == "fp8":
+        v = codes.view(torch.int8).view(m.rows, m.cols).to(torch.int16)
+        return (((v & 0x80) << 8) | ((v & 0x7F) << 4)).view(torch.bfloat16).to(dtype), FP8_FACTOR
+    packed = codes.view(m.rows, m.cols // 2)
+    if m.codes == "int4":  # stored as q + 8
+        out = torch.empty(m.rows, m.cols // 2, 2, dtype=dtype, device=codes.device)
+        out[..., 0].copy_(packed & 0x0F)
+        out[..., 1].copy_(packed >> 4)
+        return out.sub_(8).view(m.rows, m.cols), 1.0
+    v = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(m.rows, m.cols).to(torch.int16)  # fp4 (e2m1)
+    return (((v & 0x8) << 12) | ((v & 0x7) << 6)).view(torch.bfloat16).to(dtype), FP4_FACTOR
+
+
+def _plain_values(codes: torch.Tensor, m: MatrixQuant, dtype: torch.dtype) -> torch.Tensor:
+    if m.codes == "fp8":
+        return codes.view(torch.float8_e4m3fn).view(m.rows, m.cols).to(dtype)
+    v = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(m.rows, m.cols)  # fp4
+    return _fp4_table(codes.device, dtype)[v.long()]
+
+
+def _scales(scales: torch.Tensor, m: MatrixQuant, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = m.scale_shape
+    if m.scale_dtype == "e8m0":  # 2 ** (e - 127), exact in float32
+        return torch.exp2(scales.view(rows, cols).float() - 127).to(dtype)
+    return scales.view(SCALE_DTYPES[m.scale_dtype]).view(rows, cols).to(dtype)
+
+
+@lru_cache(maxsize=8)
+def _fp4_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+
+
+# --- torch's fused int4 matmul (CPU, bfloat16) ------------------------------------------------
+
+
+def int4_kernel_takes(quant: ExpertQuant, device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether both matrices go through the fused kernel: computing in bfloat16 on the CPU,
+    int4 codes with one bfloat16 scale per group of a row (the kernel's own arithmetic)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and all(m.codes == "int4" and m.block_rows == 1 and m.scale_dtype == "bfloat16"
+                    and m.group in INT4_KERNEL_GROUPS and m.cols % m.group == 0 and m.rows % 16 == 0
+                    for m in (quant.w_in, quant.w_out)))
+
+
+def int4_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant):
+    """(packed uint8 [rows, cols / 2] in the kernel's layout, bfloat16 [groups, rows, 2] of
+    (scale, 0)) from a matrix's blob sections. The kernel computes (q_u - 8) * s + z."""
+    packed = codes.view(m.rows, m.cols // 2)
+    unsigned = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(m.rows, m.cols).to(torch.int32)
+    s = scales.view(torch.bfloat16).view(m.rows, m.cols // m.group).t()
+    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1),
+            torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous())
+
+
+def _kernel_sections(quant: ExpertQuant) -> dict[str, tuple[int, int]]:
+    """A converted slot: per matrix the kernel's packed codes and (scale, zero) pairs, then the biases."""
+    sizes = []
+    for name, m in (("w_in", quant.w_in), ("w_out", quant.w_out)):
+        sizes += [(f"{name}.packed", m.rows * m.cols // 2), (f"{name}.scales_zeros", m.rows * (m.cols // m.group) * 4)]
+    if quant.bias:
+        sizes += [("b_in", 4 * quant.w_in.rows), ("b_out", 4 * quant.w_out.rows)]
+    out, offset = {}, 0
+    for name, n in sizes:
+        out[name] = (offset, n)
+        offset = -(-(offset + n) // SECTION_ALIGN) * SECTION_ALIGN
+    return out
