@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.moe import Routing, dispatch, group_by_expert, run_expert
+from ..model.moe import Routing, grouped_experts, sort_picks, stacked_views
 from .base import Policy, Runtime
 
 
@@ -18,16 +18,14 @@ class ResidentPolicy(Policy):
             "experts", runtime.expert_bytes * len(runtime.expert_keys),
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
-        self.experts: dict[int, list[torch.Tensor]] = {
-            layer: [
-                runtime.checkpoint.expert_buffer(layer, e, runtime.dtype).to(runtime.device)
-                for e in range(c.num_experts)
-            ]
+        # each block's experts stacked in one buffer: the block runs as one grouped computation
+        self.stacks = {
+            layer: torch.stack([runtime.checkpoint.expert_buffer(layer, e, runtime.dtype)
+                                for e in range(c.num_experts)]).to(runtime.device)
             for layer in c.moe_layer_ids
         }
+        self.views = {layer: stacked_views(stack, c.expert) for layer, stack in self.stacks.items()}
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        c = self.config
-        buffers = self.experts[layer]
-        groups = group_by_expert(routing, c.num_experts)
-        return dispatch(x, groups, lambda e, xs: run_expert(buffers[e], xs, c.expert))
+        picks = sort_picks(routing, self.config.num_experts)
+        return grouped_experts(self.config.expert, x, picks, self.views[layer], picks.offsets)
