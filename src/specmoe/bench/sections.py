@@ -167,6 +167,17 @@ SECTIONS = (
                       SIM + args + f" > {{out}}/simulate-{name}.json")
                   for name, args in {**SIMULATIONS, "mixtral-check": "mixtral-8x7b --batch-sizes 1,16,256"}.items()),
             _projections),
+    Section("anchors", "Resident decoding against the engines users would pick",
+            "Batch 1, the held-out prompts, every weight resident, float32, greedy, the same token ids and the same "
+            "number of threads for all: specmoe's resident policy, transformers' `generate` and llama.cpp (a float32 "
+            "GGUF copy of the demo model; `make anchors` builds llama-cpp-python first, else the row says it was "
+            "skipped). × resident is each anchor's decode tokens/s over resident's in the same run; tokens = "
+            "resident is the share of its tokens equal to resident's.",
+            (Run("anchors.json", "specmoe bench --batch-sizes 1 --policies resident --anchors transformers,llama.cpp "
+                 "--repeats 5 --max-tokens 64 --threads 1 --json {out}/anchors.json",
+                 f"specmoe bench --batch-sizes 1 --policies resident --anchors transformers,llama.cpp {BENCH_SMOKE} "
+                 "--json {out}/anchors.json"),),
+            _bench("anchors.json")),
     Section("profile", "Where a decode step's time goes, before and after",
             "A plain decode step (resident), a draft forward and the rest of a speculative step (verify pass, "
             "acceptance, roll-back; SpecMoE on the disk tier, 30 % budget, γ = 5) on the held-out prompts, at "

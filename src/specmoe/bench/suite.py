@@ -52,6 +52,8 @@ class Suite:
                 self.anchors_ok.append(name)
         if not settings.grid:  # anchors run beside the grid only
             self.anchors_ok, self.anchor_skips = [], []
+        if "llama.cpp" in self.anchors_ok and any(b > 1 for b in settings.batch_sizes):
+            self.notes.append("llama.cpp runs at B=1 only (one request after another; its batched API is not driven)")
         self.budgets: dict[int, int] = {}
         self.max_lens: dict[int, int] = {}
         self.traces: list[Path] = []
