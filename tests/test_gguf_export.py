@@ -72,3 +72,19 @@ def test_a_family_llama_cpp_cannot_run_as_converted_is_a_clear_error(tmp_path):
     with pytest.raises(SpecMoEError, match="Qwen2MoeForCausalLM to GGUF is not supported"):
         cached_gguf(ckpt, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()  # nothing half-written is left to be taken for a copy
+
+
+def test_llama_cpp_on_the_copy_decodes_the_demo_model_as_resident_does(tmp_path):
+    """Where llama-cpp-python is built (make anchors): its greedy tokens on the GGUF copy
+    are resident's, up to a near tie its kernels break the other way."""
+    pytest.importorskip("llama_cpp")
+    from specmoe import LLM, SamplingParams
+    from specmoe.bench.anchors import LlamaCppRunner
+
+    prompts = [[345, 88, 1020, 77, 9], [12, 600, 31]]
+    record, theirs = LlamaCppRunner(default_model_dir(), prompts, 16, 1, tmp_path).run()
+    ours = [o.token_ids for o in LLM().generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                       ignore_eos=True))]
+    agree = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / sum(map(len, ours))
+    assert [t[0] for t in theirs] == [o[0] for o in ours] and agree >= 0.9, (theirs, ours)
+    assert record["decode_tokens_per_s"] > 0

@@ -161,18 +161,20 @@ class LlamaCppRunner(Runner):
         longest = max(len(p) for p in prompts)
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=longest + max_tokens + 1, n_batch=max(512, longest),
                                    n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.llama_cpp = llama_cpp
         self.prompts, self.max_tokens = prompts, max_tokens
         self.fields = {"version": llama_cpp.__version__, "dtype": "float32", "threads": threads, "gguf": path.name}
 
     def _generate(self, prompt: list[int]) -> tuple[list[int], list[float]]:
         """Greedy tokens and the time each one's logits were ready."""
-        llm = self.llm
+        llm, vocab = self.llm, self.llm.n_vocab()
         llm.reset()
         tokens, times = [], []
         feed = prompt
         for _ in range(self.max_tokens):
-            llm.eval(feed)
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval(feed)  # without logits_all it keeps no copy: read the last position's logits in place
+            logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            token = int(np.argmax(logits))
             times.append(time.perf_counter())
             tokens.append(token)
             feed = [token]
