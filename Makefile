@@ -12,7 +12,7 @@ $(BIN)/specmoe: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: install demo test bench bench-report bench-smoke
+.PHONY: install demo test bench bench-report bench-smoke anchors
 install: $(BIN)/specmoe
 
 demo: install
@@ -36,3 +36,11 @@ bench-report: install
 # Every command in its reduced form (minutes): proves the commands and the report work.
 bench-smoke: install
 	$(BIN)/python benchmarks/run_all.py --smoke --results bench-smoke
+
+# llama.cpp for `specmoe bench --anchors llama.cpp`: llama-cpp-python builds it from source (tens of
+# minutes on 2 cores; JOBS=N to use more), without its examples, tools and multimodal library.
+JOBS ?= 1
+anchors: install
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+		$(BIN)/pip install -e '.[anchors]'

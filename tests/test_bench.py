@@ -4,6 +4,7 @@ performance model's validation on the run's traces, and BENCHMARKS.md rewritten 
 saved JSON (`specmoe bench --report`)."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import random
@@ -80,7 +81,11 @@ def test_quick_bench_runs_the_transformers_anchor_on_the_same_prompts(quick_run)
     for a in hf:
         assert a["token_agreement_vs_resident"] == 1.0  # float32, greedy, left-padded: the same tokens
         assert a["ratio_vs_specmoe_resident"] > 0 and a["best_policy"] in POLICIES
-    assert any(a["anchor"] == "llama.cpp" and a.get("skipped") for a in doc["anchors"])
+    llama = [a for a in doc["anchors"] if a["anchor"] == "llama.cpp"]
+    if importlib.util.find_spec("llama_cpp") is None:  # CI: not built; one line says so
+        assert len(llama) == 1 and "make anchors" in llama[0]["skipped"]
+    else:  # batch 1 only, on the same prompts
+        assert [a["batch_size"] for a in llama] == [1] and llama[0]["token_agreement_vs_resident"] is not None
 
 
 def test_the_performance_model_predicts_the_bytes_each_policy_moves(quick_run):

@@ -53,5 +53,5 @@ def test_a_decode_pass_dispatches_the_operators_the_model_counts(tiny_ckpt, tmp_
     assert decode
     for n, r in decode:
         experts = sum(lr.distinct for lr in r.layers) / len(r.layers)
-        modelled = pass_work(sc, r.batch_size, 1, experts).launches
+        modelled = pass_work(sc, r.batch_size, 1, experts, grouped=True).launches  # resident: one grouped block
         assert modelled == pytest.approx(n, rel=0.25), (n, modelled)

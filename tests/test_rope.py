@@ -72,3 +72,18 @@ def test_interleaved_layout_keeps_the_dot_products_of_the_complex_form():
     ours_q, ours_k = (apply_rotary(t, angles.cos(), angles.sin(), "interleaved")[:, 0] for t in (q, k))
     want_q, want_k = complex_form(q)[:, 0], complex_form(k)[:, 0]
     torch.testing.assert_close(ours_q @ ours_k.T, want_q @ want_k.T)  # every query against every key
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+@pytest.mark.parametrize("rotated", [8, 4])
+def test_rotation_is_the_textbook_rotation(style, rotated):
+    """x1 cos - x2 sin, x2 cos + x1 sin over the rotated dims (pairs (i, i + F) or (2i, 2i + 1)),
+    written first members then second members, the rest passed through: the same values."""
+    gen = torch.Generator().manual_seed(rotated)
+    x = torch.randn(3, 2, 8, generator=gen)
+    cos, sin = torch.randn(3, rotated // 2, generator=gen), torch.randn(3, rotated // 2, generator=gen)
+    rot = x[..., :rotated]
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if style == "interleaved" else rot.chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x[..., rotated:]], dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin, style), want)

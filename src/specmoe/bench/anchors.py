@@ -2,10 +2,12 @@
 
 - `transformers`: `AutoModelForCausalLM.generate`, every weight resident, the same compute
   dtype as specmoe, greedy, the same batches (left-padded, with an attention mask).
-- `llama.cpp` (through `llama-cpp-python`, on a GGUF conversion, at batch 1): not in this
-  build yet. `llama-cpp-python` compiles llama.cpp from source at install time, and that
-  build did not complete on the 2-core development machine; the anchor is named so that
-  `--anchors llama.cpp` says so in one line instead of failing.
+- `llama.cpp` (through `llama-cpp-python`; `make anchors` builds it): a float32 GGUF copy
+  of the checkpoint (tools/gguf_export.py, Mixtral family), the same prompts as token ids,
+  greedy by the argmax of its logits, the same number of threads as the engines, at
+  batch 1 (one request after another; its batched API is not driven yet, so it is skipped
+  at larger batch sizes). Its kernels add in their own order, so its tokens may differ
+  from ours after a near tie: the record says how many agree.
 
 An anchor that is not installed is skipped with a one-line note. Decode tokens/s is
 measured the way specmoe measures it: tokens after the first, divided by the time from the
@@ -19,9 +21,14 @@ import gc
 import importlib.util
 import time
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
+from ..base.checkpoint import Checkpoint
 from ..engine.stats import token_ids_sha256
+from ..tools.gguf_export import cached_gguf
 from .runners import Runner
 
 ANCHORS = ("transformers", "llama.cpp")
@@ -34,9 +41,16 @@ def missing(name: str) -> str | None:
             return "transformers anchor skipped: transformers is not installed (pip install transformers)"
         return None
     if name == "llama.cpp":
-        return ("llama.cpp anchor skipped: not implemented in this build (llama-cpp-python plus a GGUF "
-                "conversion of the model; see issue 6)")
+        if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None:
+            return ("llama.cpp anchor skipped: llama-cpp-python and gguf are not installed "
+                    "(make anchors, or pip install 'specmoe[anchors]': it compiles llama.cpp)")
+        return None
     raise ValueError(name)
+
+
+def runs_at(name: str, batch_size: int) -> bool:
+    """Whether an anchor runs at this batch size (llama.cpp: batch 1 only, see above)."""
+    return name != "llama.cpp" or batch_size == 1
 
 
 def _chunks(items: list, size: int) -> list[list]:
@@ -130,4 +144,55 @@ class TransformersRunner(Runner):
 
     def close(self):
         self.model = None
+        gc.collect()
+
+
+class LlamaCppRunner(Runner):
+    """llama.cpp on the checkpoint's GGUF copy, one request at a time, greedy."""
+
+    kind = "anchor"
+    label = "llama.cpp"
+
+    def __init__(self, model_dir, prompts: list[list[int]], max_tokens: int, threads: int, cache: Path):
+        import llama_cpp
+
+        ckpt = Checkpoint(Path(model_dir))
+        path = cached_gguf(ckpt, cache)
+        longest = max(len(p) for p in prompts)
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=longest + max_tokens + 1, n_batch=max(512, longest),
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        self.llama_cpp = llama_cpp
+        self.prompts, self.max_tokens = prompts, max_tokens
+        self.fields = {"version": llama_cpp.__version__, "dtype": "float32", "threads": threads, "gguf": path.name}
+
+    def _generate(self, prompt: list[int]) -> tuple[list[int], list[float]]:
+        """Greedy tokens and the time each one's logits were ready."""
+        llm, vocab = self.llm, self.llm.n_vocab()
+        llm.reset()
+        tokens, times = [], []
+        feed = prompt
+        for _ in range(self.max_tokens):
+            llm.eval(feed)  # without logits_all it keeps no copy: read the last position's logits in place
+            logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            token = int(np.argmax(logits))
+            times.append(time.perf_counter())
+            tokens.append(token)
+            feed = [token]
+        return tokens, times
+
+    def run(self):
+        outputs, ttfts, decode_s = [], [], 0.0
+        start = time.perf_counter()
+        for prompt in self.prompts:
+            t0 = time.perf_counter()
+            tokens, times = self._generate(prompt)
+            outputs.append(tokens)
+            ttfts.append(times[0] - t0)
+            decode_s += times[-1] - times[0]
+        wall = time.perf_counter() - start
+        return _record(self.label, 1, self.prompts, outputs, wall, ttfts, decode_s, dict(self.fields)), outputs
+
+    def close(self):
+        self.llm.close()
+        self.llm = None
         gc.collect()

@@ -50,6 +50,7 @@ def _grid_extra(doc: dict) -> str:
             + "\n### `--policy auto` against the best fixed policy\n\n" + tables.auto_against_fixed(doc))
 
 
+PROFILE_BASE = "c95390e"  # main before the compute work of this section (profile_passes.py --source-rev)
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
 SIMULATIONS = {
@@ -192,6 +193,36 @@ SECTIONS = (
                  "{out}/replicas-projection.json")),
             lambda docs: replicas.measured(docs["replicas.json"]) + "\n"
             + replicas.projection(docs["replicas-projection.json"])),
+    Section("anchors", "Resident decoding against the engines users would pick",
+            "Batch 1, the held-out prompts, every weight resident, float32, greedy, the same token ids and the same "
+            "number of threads for all: specmoe's resident policy, transformers' `generate` and llama.cpp (a float32 "
+            "GGUF copy of the demo model; `make anchors` builds llama-cpp-python first, else the row says it was "
+            "skipped). × resident is each anchor's decode tokens/s over resident's in the same run; tokens = "
+            "resident is the share of its tokens equal to resident's.",
+            (Run("anchors.json", "specmoe bench --batch-sizes 1 --policies resident --anchors transformers,llama.cpp "
+                 "--repeats 5 --max-tokens 64 --threads 1 --json {out}/anchors.json",
+                 f"specmoe bench --batch-sizes 1 --policies resident --anchors transformers,llama.cpp {BENCH_SMOKE} "
+                 "--json {out}/anchors.json"),),
+            _bench("anchors.json")),
+    Section("profile", "Where a decode step's time goes, before and after",
+            "A plain decode step (resident), a draft forward and the rest of a speculative step (verify pass, "
+            "acceptance, roll-back; SpecMoE on the disk tier, 30 % budget, γ = 5) on the held-out prompts, at "
+            "B = 1, 16 and 64, with the code before this work (`--source-rev " + PROFILE_BASE + "`, the same "
+            "script) and after. ms: thread CPU time per unit, unprofiled, median of 3 runs (the disk tier's reads "
+            "run on another thread). Operators: top-level torch operators per unit; between operators: the share "
+            "of profiled time spent outside them (Python; in verify also waiting for the disk tier). Shares: each category's part of operator time, from a "
+            "profile with Python stacks (expert matmuls: the projections; expert dispatch: grouping, gathering, "
+            "dequantizing and combining).",
+            (Run("profile-before.json", f"python benchmarks/profile_passes.py --source-rev {PROFILE_BASE} "
+                 "--json {out}/profile-before.json",
+                 f"python benchmarks/profile_passes.py --source-rev {PROFILE_BASE} --batch-sizes 1 --max-tokens 4 "
+                 "--repeats 1 --json {out}/profile-before.json"),
+             Run("profile-after.json", "python benchmarks/profile_passes.py --json {out}/profile-after.json",
+                 "python benchmarks/profile_passes.py --batch-sizes 1 --max-tokens 4 --repeats 1 "
+                 "--json {out}/profile-after.json")),
+            lambda docs: (tables.profile_summary(docs["profile-before.json"], docs["profile-after.json"])
+                          + "\nShare of operator time by category, before → after:\n\n"
+                          + tables.profile_categories(docs["profile-before.json"], docs["profile-after.json"]))),
     Section("quick", "Quick run",
             "`specmoe bench --quick`: every policy at B = 1 and 16, 16 tokens, one repeat, for smoke runs; at one "
             "repeat the ratios are noisy: use the main grid.",

@@ -219,3 +219,43 @@ def calibration(doc: dict) -> str:
               else f"{m['engine_fetch_s'] * 1e3:.2f} ms ({m['engine_fetch_expert_bytes'] / 2**10:.0f} KiB)"),
              ("engine fit error (rms)", _f(m.get("engine_fit_rms_rel_error"), "{:.0%}"))]
     return md_table(["calibrated", "value"], [[k, v] for k, v in items]) + "\n"
+
+
+# --- benchmarks/profile_passes.py --------------------------------------------------------------------
+
+UNIT_NAMES = {"decode": "decode step (resident)", "draft": "draft forward (specmoe)",
+              "verify": "verify + accept (specmoe)"}
+
+
+def _profile_rows(doc: dict) -> dict:
+    return {(r["unit"], r["batch_size"]): r for r in doc["rows"]}
+
+
+def profile_summary(before: dict, after: dict) -> str:
+    """Per unit and batch size: thread CPU ms per unit and operators per unit, before and
+    after, and the share of time between operators."""
+    b_rows, a_rows = _profile_rows(before), _profile_rows(after)
+    rows = []
+    for key in sorted(a_rows, key=lambda k: (list(UNIT_NAMES).index(k[0]), k[1])):
+        a, b = a_rows[key], b_rows.get(key)
+        ratio = f"{b['cpu_ms'] / a['cpu_ms']:.2f}x" if b and a["cpu_ms"] else "–"
+        rows.append([UNIT_NAMES[key[0]], str(key[1]), _f(b and b["cpu_ms"]), _f(a["cpu_ms"]), ratio,
+                     f"{_f(b and b['operators'], '{:.0f}')} → {_f(a['operators'], '{:.0f}')}",
+                     f"{_f(b and b.get('outside_share'), '{:.0%}')} → {_f(a.get('outside_share'), '{:.0%}')}"])
+    return md_table(["unit", "B", "ms before", "ms after", "faster", "operators", "between operators"], rows) + "\n"
+
+
+def profile_categories(before: dict, after: dict) -> str:
+    """Each category's share of operator time, before → after, per unit and batch size."""
+    b_rows, a_rows = _profile_rows(before), _profile_rows(after)
+    categories = [c for c in after["categories"]
+                  if any(c in r["categories"] for r in list(a_rows.values()) + list(b_rows.values()))]
+    rows = []
+    for key in sorted(a_rows, key=lambda k: (list(UNIT_NAMES).index(k[0]), k[1])):
+        cells = []
+        for c in categories:
+            was = (b_rows.get(key) or {}).get("categories", {}).get(c, {}).get("share")
+            now = a_rows[key]["categories"].get(c, {}).get("share")
+            cells.append(f"{_f(was, '{:.0%}')} → {_f(now, '{:.0%}')}")
+        rows.append([key[0], str(key[1]), *cells])
+    return md_table(["unit", "B", *categories], rows) + "\n"

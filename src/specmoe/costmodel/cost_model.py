@@ -29,11 +29,12 @@ from .shapes import ModelShape
 
 # Operators the engine dispatches, counted on its decode passes (tests/test_perf_ops.py
 # keeps these in step with the code).
-PASS_OPS = 15  # embedding, rotary lookup, final norm, LM head
-ATTENTION_OPS = 64  # per layer: both norms, q/k/v/o, rotary, KV cache write and read, attention, residuals
+PASS_OPS = 26  # embedding, the pass's rotation, final norm, LM head
+ATTENTION_OPS = 37  # per layer: both norms, one q/k/v matmul, o, rotary, KV cache write and read, attention, residuals
 DENSE_FFN_OPS = 8  # per dense layer: SwiGLU
 ROUTER_OPS = 16  # per MoE layer: router, softmax, top-k, grouping positions by expert
 LAUNCHES_PER_EXPERT = 14  # per expert run: gather its positions, gate/up, SiLU, product, down, weighted scatter-add
+GROUPED_BLOCK_OPS = 24  # per MoE layer run as one grouped computation (resident): router, sort, two grouped matmuls
 DEQUANT_OPS = 10  # per quantized (draft) expert run: dequantize both matrices (int8; 17 operators against 7)
 DEFAULT_CONTEXT = 512
 DEFAULT_CACHE_FRACTION = 0.1  # the paper's caching baseline: 10 % of each block's experts
@@ -122,13 +123,15 @@ class PassWork:
 
 
 def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: float, routed: bool = True,
-              quant_bits: int | None = None) -> PassWork:
+              quant_bits: int | None = None, grouped: bool = False) -> PassWork:
     """Device compute of one forward pass over batch x per_sequence positions.
 
     experts_touched: distinct routed experts per MoE layer whose weights the pass reads
     from device memory; routed=False leaves routed experts out (host policy). quant_bits:
     the experts are quantized copies, dequantized per run: memory traffic is the codes
-    (the dequantized matrix is used while it is still in cache), plus DEQUANT_OPS."""
+    (the dequantized matrix is used while it is still in cache), plus DEQUANT_OPS.
+    grouped: each block's experts run as one grouped computation (every expert resident),
+    a fixed number of operators whatever the experts touched."""
     s, hw = sc.shape, sc.hardware
     P = batch * per_sequence
     bpp = s.bytes_per_param
@@ -150,9 +153,10 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
         expert_ops = LAUNCHES_PER_EXPERT + DEQUANT_OPS
     for _ in range(s.num_moe_layers):
         small = s.router_params + s.shared_expert_params  # router + shared expert: every position
-        w.add(hw, 2 * P * small, small * bpp, ROUTER_OPS)
+        w.add(hw, 2 * P * small, small * bpp, GROUPED_BLOCK_OPS if grouped else ROUTER_OPS)
         if routed:
-            w.add(hw, 2 * P * s.top_k * s.expert_params, experts_touched * expert_bytes, expert_ops * experts_touched)
+            w.add(hw, 2 * P * s.top_k * s.expert_params, experts_touched * expert_bytes,
+                  0 if grouped else expert_ops * experts_touched)
     w.add(hw, 2 * P * s.hidden * s.vocab, s.hidden * s.vocab * bpp, PASS_OPS)  # LM head on every position
     w.add_host(batch * hw.sequence_overhead_s)
     return w
@@ -192,7 +196,7 @@ def resident(sc: Scenario, batch: int) -> StepEstimate:
     """Every expert on the device: compute only (fits only when the model does)."""
     s = sc.shape
     u = sc.distinct(batch)
-    w = pass_work(sc, batch, 1, u)
+    w = pass_work(sc, batch, 1, u, grouped=True)
     return _estimate(sc, "resident", batch, w.time_s, 1.0, 0.0, w.time_s, 0.0, w.bound_s(sc.hardware),
                      _device_bytes(sc, batch, 1, s.num_experts * s.num_moe_layers, 0))
 

@@ -28,7 +28,7 @@ from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
 from .logprobs import token_logprobs
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_token, sample_tokens
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import SpeculativeDecoder
@@ -234,8 +234,8 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> int:
         with self.pass_scope("decode") as experts:
             logits = self.forward_logits(experts, [s.slot for s in seqs], [[s.pending] for s in seqs])
-        for seq, row in zip(seqs, logits):
-            self.append_tokens(seq, [sample_token(row, seq.params, seq.generator)], row[None])
+        for seq, token, row in zip(seqs, sample_tokens(logits, seqs), logits):
+            self.append_tokens(seq, [token], row[None])
         return len(seqs)
 
     @contextmanager

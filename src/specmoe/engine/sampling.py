@@ -81,6 +81,17 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def sample_tokens(logits: torch.Tensor, seqs) -> list[int]:
+    """One token per row of [B, V] logits for each of `seqs` (their params and generators):
+    the greedy rows' argmax in one call, the others drawn one by one."""
+    greedy = [s.params.greedy for s in seqs]
+    tokens = logits.argmax(-1).tolist() if any(greedy) else [None] * len(seqs)
+    for i, seq in enumerate(seqs):
+        if not greedy[i]:
+            tokens[i] = sample_token(logits[i], seq.params, seq.generator)
+    return tokens
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from [V] logits: argmax when greedy, else a draw from `target_probs`."""
     if params.greedy:

@@ -8,6 +8,7 @@ L .. L+g with the full model's K/V; the cache is then cut to L + accepted + 1.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -46,9 +47,12 @@ class SpeculativeDecoder:
             logits = engine.forward_logits(experts, [s.slot for s in seqs], fed, rows="all")
         produced = 0
         accepted_lengths = []
-        for seq, start, draft, q, rows in zip(seqs, starts, drafts, draft_probs, torch.split(logits, [len(f) for f in fed])):
+        sizes = [len(f) for f in fed]
+        argmax = logits.argmax(-1).tolist()  # the target's choice at every verified position, in one call
+        firsts = itertools.accumulate(sizes, initial=0)
+        for seq, start, draft, q, rows, first in zip(seqs, starts, drafts, draft_probs, torch.split(logits, sizes), firsts):
             if seq.params.greedy:
-                targets = rows.argmax(-1).tolist()
+                targets = argmax[first: first + len(draft) + 1]
                 accepted, nxt = accept_greedy(draft, targets)
                 counters.agreed += sum(d == t for d, t in zip(draft, targets))  # teacher-forced agreement
             else:
@@ -82,11 +86,10 @@ class SpeculativeDecoder:
             for k in range(max(lengths, default=0)):
                 active = [i for i, g in enumerate(lengths) if g > k]
                 logits = engine.forward_logits(experts, [seqs[i].slot for i in active], [[current[i]] for i in active])
-                for i, row in zip(active, logits):
+                greedy = logits.argmax(-1).tolist()  # every row's, in one call
+                for i, row, token in zip(active, logits, greedy):
                     seq = seqs[i]
-                    if seq.params.greedy:
-                        token = int(row.argmax())
-                    else:
+                    if not seq.params.greedy:
                         q = target_probs(row, seq.params).cpu()
                         token = int(torch.multinomial(q, 1, generator=seq.generator))
                         probs[i].append(q)

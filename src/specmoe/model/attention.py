@@ -14,31 +14,42 @@ import torch.nn.functional as F
 from ..base.model_config import ModelConfig
 from .kv_cache import KVCache, StepBatch
 from .layers import rms_norm
-from .rope import apply_rotary
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q/kv latent RMSNorms use their default eps, not the config's
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, batch: StepBatch,
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, batch: StepBatch,
            scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence: q [T, H, d], keys [B, G, L, d], values
-    [B, G, L, dv], mask [B, 1, n, L] -> [T, H, dv].
+    [B, G, L, dv], mask [B, 1, n, L] (None: every query sees every key) -> [T, H, dv].
 
     Grouped-query attention: query head j reads kv head j // r. The r query heads of a kv
     head become r x n query rows of that head, so K and V are read where they are (copying
-    them r times would cost more than the attention at large batches)."""
+    them r times would cost more than the attention at large batches). When every
+    sequence has the same number of new tokens the tokens already are the padded layout."""
     T, H, d = q.shape
     B, G, n = len(batch.slots), keys.shape[1], batch.max_new
     r = H // G
-    q_pad = q.new_zeros(B * n, H, d)
-    q_pad[batch.padded_index] = q
-    q_grouped = q_pad.view(B, n, G, r, d).permute(0, 2, 3, 1, 4).reshape(B, G, r * n, d)
-    mask = mask if r == 1 else mask.repeat(1, 1, r, 1)  # [B, 1, r * n, L]
+    if not batch.uniform:
+        q_pad = q.new_zeros(B * n, H, d)
+        q_pad[batch.padded_index] = q
+        q = q_pad
+    if n == 1:  # decode and draft: the r query rows of a kv head are its r heads, already in place
+        q_grouped = q.view(B, G, r, d)
+    else:
+        q_grouped = q.view(B, n, G, r, d).permute(0, 2, 3, 1, 4).reshape(B, G, r * n, d)
+    if mask is not None and r > 1 and n > 1:  # one query row per (head, token); with n = 1 the mask broadcasts
+        mask = mask.repeat(1, 1, r, 1)  # [B, 1, r * n, L]
     if sinks is not None:
-        keys, values, mask = _with_sink(keys, values, mask, sinks.view(G, r), n)
+        if mask is None:
+            mask = torch.ones(B, 1, 1, keys.shape[2], dtype=torch.bool, device=keys.device)
+        keys, values, mask = _with_sink(keys, values, mask.expand(B, 1, r * n, keys.shape[2]), sinks.view(G, r), n)
     out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask, scale=scale)
     dv = out.shape[-1]
-    return out.view(B, G, r, n, dv).permute(0, 3, 1, 2, 4).reshape(B * n, H, dv)[batch.padded_index]
+    if n == 1:
+        return out.reshape(B, H, dv)
+    out = out.view(B, G, r, n, dv).permute(0, 3, 1, 2, 4).reshape(B * n, H, dv)
+    return out if batch.uniform else out[batch.padded_index]
 
 
 def _with_sink(keys, values, mask, sinks, n):
@@ -55,22 +66,29 @@ def _with_sink(keys, values, mask, sinks, n):
 
 
 def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KVCache, rope) -> torch.Tensor:
-    """Grouped-query attention of layer i on x [T, D]; `rope` is (cos, sin), or None in a NoPE layer."""
+    """Grouped-query attention of layer i on x [T, D]; `rope` is the pass's Rotation, or None in a NoPE layer."""
     a, eps = c.attention, c.rms_norm_eps
     T, d = x.shape[0], a.head_dim
-    q, k, v = F.linear(x, lw.q, lw.q_bias), F.linear(x, lw.k, lw.k_bias), F.linear(x, lw.v, lw.v_bias)
-    if a.qk_norm == "full":  # OLMoE: over the whole projection
-        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    if a.clip_qkv is not None:
-        q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
-    q, k, v = q.view(T, -1, d), k.view(T, -1, d), v.view(T, -1, d)
-    if a.qk_norm == "head":  # Qwen3-MoE, GLM-4.5: per head
-        q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
-    if rope is not None:
-        q, k = apply_rotary(q, *rope, c.rope.style), apply_rotary(k, *rope, c.rope.style)
-        if a.qk_norm == "l2":  # Llama 4: weightless, after the rotation, RoPE layers only
-            q, k = rms_norm(q, None, eps), rms_norm(k, None, eps)
-    elif a.temperature is not None:  # Llama 4's NoPE layers: sharper attention far into the context
+    H, G = a.num_heads, a.num_kv_heads
+    qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+    plain = a.qk_norm in ("none", "l2") and a.clip_qkv is None  # l2 comes after the rotation
+    if plain and rope is not None:  # q and k side by side: rotated in one go
+        q, k = rope.apply(qkv[:, : (H + G) * d].view(T, H + G, d)).split([H, G], dim=1)
+        v = qkv[:, (H + G) * d:].view(T, G, d)
+    else:
+        q, k, v = qkv.split([H * d, G * d, G * d], dim=-1)
+        if a.qk_norm == "full":  # OLMoE: over the whole projection
+            q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+        if a.clip_qkv is not None:
+            q, k, v = (t.clamp(-a.clip_qkv, a.clip_qkv) for t in (q, k, v))
+        q, k, v = q.reshape(T, H, d), k.reshape(T, G, d), v.reshape(T, G, d)
+        if a.qk_norm == "head":  # Qwen3-MoE, GLM-4.5: per head
+            q, k = rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)
+        if rope is not None:
+            q, k = rope.apply(q), rope.apply(k)
+    if rope is not None and a.qk_norm == "l2":  # Llama 4: weightless, after the rotation, RoPE layers only
+        q, k = rms_norm(q, None, eps), rms_norm(k, None, eps)
+    elif rope is None and a.temperature is not None:  # Llama 4's NoPE layers: sharper attention far into the context
         floor_scale, attn_scale = a.temperature
         scales = torch.log1p(torch.floor((batch.positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         q = (q * scales[:, None, None]).to(q.dtype)
@@ -96,7 +114,7 @@ def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     q_nope, q_rot = q.view(T, H, dn + dr).split([dn, dr], dim=-1)
     latent, k_rot = F.linear(x, lw.kv_a, lw.kv_a_bias).split([lat, dr], dim=-1)
     latent = rms_norm(latent, lw.kv_a_norm, LATENT_NORM_EPS)
-    q_rot, k_rot = apply_rotary(q_rot, *rope, c.rope.style), apply_rotary(k_rot[:, None, :], *rope, c.rope.style)
+    q_rot, k_rot = rope.apply(q_rot), rope.apply(k_rot[:, None, :])
     w_kv = lw.kv_b.view(H, dn + a.v_head_dim, lat)
     query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :dn]), q_rot], dim=-1)  # [T, H, c + dr]
     keys, _, mask = cache.write_and_read(i, batch, torch.cat([latent[:, None, :], k_rot], dim=-1), None)

@@ -43,6 +43,8 @@ class StepBatch:
     kv_len: int
     max_new: int
     ends: torch.Tensor  # [T] end (start + count) of each token's sequence
+    uniform: bool = False  # every sequence has max_new new tokens: tokens are already the padded layout
+    attends_all: bool = False  # one new token each at the same position: every query sees every key
     _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -85,6 +87,8 @@ class StepBatch:
             kv_len=kv_len,
             max_new=max_new,
             ends=torch.tensor(ends, **as_long),
+            uniform=min(counts) == max_new,
+            attends_all=max_new == 1 and min(starts) == max(starts),
         )
 
     def window_mask(self, window: AttentionWindow) -> torch.Tensor:
@@ -205,7 +209,7 @@ class KVCache:
     def write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor | None):
         """Store the new tokens' k [T, heads, k_dim] (and v); return the keys and values
         [B, heads, L, dim] the batch attends (values None where keys serve as values) and
-        the mask [B, 1, max_new, L] over them."""
+        the mask [B, 1, max_new, L] over them (None when every query sees every key)."""
         if self.ring[layer] is not None:
             return self._ring_write_and_read(layer, batch, k, v)
         keys, values = self.k[layer], self.v[layer]
@@ -218,7 +222,7 @@ class KVCache:
         else:
             index = batch.slot_index
         read = [None if t is None else t[index, :, : batch.kv_len] for t in (keys, values)]
-        return read[0], read[1], batch.mask
+        return read[0], read[1], None if batch.attends_all else batch.mask
 
     def _ring_write_and_read(self, layer: int, batch: StepBatch, k: torch.Tensor, v: torch.Tensor | None):
         window, size = self.layers[layer].window, self.ring[layer]

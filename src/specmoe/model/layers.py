@@ -8,11 +8,18 @@ import torch.nn.functional as F
 from ..base.specs import ExpertSpec
 
 
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """t in float32; t itself when it already is (a conversion call is an operator for nothing)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # Normalise in float32 whatever the activation dtype, as the reference does.
-    x32 = x.float()
+    x32 = as_float32(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return x32.to(x.dtype) if weight is None else weight * x32.to(x.dtype)
+    if x.dtype != torch.float32:
+        x32 = x32.to(x.dtype)
+    return x32 if weight is None else weight * x32
 
 
 def norm(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

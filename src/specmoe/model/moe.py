@@ -122,6 +122,86 @@ def run_expert(buffer: torch.Tensor, x: torch.Tensor, spec: ExpertSpec) -> torch
     return expert_forward(spec, x, lambda t: F.linear(t, v.w_in), lambda t: F.linear(t, v.w_out), v.b_in, v.b_out)
 
 
+# --- one grouped computation per block --------------------------------------------------------------
+# Instead of a Python loop over experts (a dozen operators each), a block's picks are
+# sorted by expert once and every expert runs in one grouped matmul per projection
+# (torch._grouped_mm where it exists: per group the same product F.linear computes).
+
+
+@dataclass(frozen=True)
+class SortedPicks:
+    """A block's T x K picks sorted by expert, stably (an expert's tokens stay in order).
+    Pick j is token `rows[j]` for expert `experts[j]` with mixing weight `weights[j]`;
+    `offsets[e]` (int32) ends expert e's picks, over all E experts (empty groups allowed)."""
+
+    rows: torch.Tensor  # [P] long, P = T * K
+    weights: torch.Tensor  # [P, 1] float32
+    experts: torch.Tensor  # [P] long, ascending
+    counts: torch.Tensor  # [E] long
+    offsets: torch.Tensor  # [E] int32
+    scales_input: bool = False
+
+    def present(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the experts with picks [n], ascending; their offsets [n]): the groups of a
+        computation over those experts' weights only."""
+        used = self.counts > 0
+        return torch.nonzero(used).flatten(), self.offsets[used]
+
+
+def sort_picks(routing: Routing, num_experts: int) -> SortedPicks:
+    k = routing.ids.shape[1]
+    flat = routing.ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return SortedPicks(torch.div(order, k, rounding_mode="floor"), routing.weights.reshape(-1, 1)[order], flat[order],
+                       counts, counts.cumsum(0, dtype=torch.int32), routing.scales_input)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [P, in] in groups ending at `offsets` [G] -> [P, out]: group g times weight[g]^T
+    ([G, out, in]). One grouped matmul on the CPU (torch >= 2.8); elsewhere, where the
+    fused kernel wants other dtypes and alignments, a loop over the groups."""
+    if x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return grouped_linear_loop(x, weight, offsets)
+
+
+def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    ends = offsets.tolist()  # one host sync
+    starts = [0] + ends[:-1]
+    return torch.cat([F.linear(x[a:b], weight[g]) for g, (a, b) in enumerate(zip(starts, ends))])
+
+
+def stacked_views(buffers: torch.Tensor, spec: ExpertSpec) -> ExpertViews:
+    """Views of G experts' tensors [G, ...] in a [G, numel] stack of their buffers."""
+    R, D, I = spec.in_rows, spec.hidden, spec.inter
+    a, b = R * D, R * D + D * I
+    w_in, w_out = buffers[:, :a].view(-1, R, D), buffers[:, a:b].view(-1, D, I)
+    if not spec.bias:
+        return ExpertViews(w_in, w_out)
+    return ExpertViews(w_in, w_out, buffers[:, b : b + R], buffers[:, b + R : b + R + D])
+
+
+def grouped_experts(spec: ExpertSpec, x: torch.Tensor, picks: SortedPicks, w: ExpertViews,
+                    offsets: torch.Tensor) -> torch.Tensor:
+    """The block's routed output [T, D]: the picks in the groups `offsets` ends (over all
+    E experts: picks.offsets; over some, as `present` gives them) with the matching
+    stacked weights `w` (biases, if any, stacked over all E: indexed by expert).
+    Outputs are added per token in expert order, as `combine` adds them."""
+    xs = x[picks.rows]
+    if picks.scales_input:
+        xs = (xs * picks.weights).to(x.dtype)
+    h = grouped_linear(xs, w.w_in, offsets)
+    if w.b_in is not None:
+        h = h + w.b_in[picks.experts].to(h.dtype)
+    y = grouped_linear(expert_activation(spec, h), w.w_out, offsets)
+    if w.b_out is not None:
+        y = y + w.b_out[picks.experts].to(y.dtype)
+    if not picks.scales_input:
+        y = y * picks.weights
+    return torch.zeros_like(x).index_add_(0, picks.rows, y if y.dtype == x.dtype else y.to(x.dtype))
+
+
 class ExpertBackend(Protocol):
     """Runs the routed experts of MoE blocks: where they live and when they move."""
 

@@ -14,6 +14,7 @@ is in the batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -111,21 +112,43 @@ class RotaryTable:
             scale = torch.where(late, self.scale_long, scale)
         return (freqs.cos() * scale[:, None]).to(dtype), (freqs.sin() * scale[:, None]).to(dtype)
 
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The pass's `Rotation` (built once, used by every layer)."""
+        return Rotation.of(*self.lookup(positions, dtype), self.spec.style)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """One pass's rotation, laid out once so that each layer rotates q and k with one
+    multiply-add: out = x * cos + swap(x) * sin, with cos = (c, c) and sin = (-s, s) over
+    the 2F rotated dims and swap exchanging their halves. That is x1 c - x2 s, x2 c + x1 s,
+    the same products added in the same order as the textbook form.
+
+    x [T, h, d]; cos/sin [T, 1, 2F]. half: dim i pairs with dim i + F (NeoX, as
+    transformers' rotate_half). interleaved: dims 2i and 2i + 1 pair (DeepSeek, Llama 4:
+    the complex-number form); they are first gathered pairs' first members first, then
+    second members, and written so. q and k get the same permutation, so q.k (all
+    attention uses) is unchanged. Dims past 2F pass unchanged.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    style: str
+
+    @classmethod
+    def of(cls, cos: torch.Tensor, sin: torch.Tensor, style: str) -> Rotation:
+        """From cos/sin [T, F]."""
+        return cls(torch.cat([cos, cos], -1)[:, None, :], torch.cat([-sin, sin], -1)[:, None, :], style)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.cos.shape[-1]
+        rot = x if x.shape[-1] == n else x[..., :n]
+        if self.style == "interleaved":
+            rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
+        out = rot * self.cos + rot.roll(n // 2, -1) * self.sin
+        return out if x.shape[-1] == n else torch.cat([out, x[..., n:]], dim=-1)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """x [T, h, d]; cos/sin [T, F]. Rotates the first 2F dims, passes the rest.
-
-    half: dim i pairs with dim i + F (NeoX, as transformers' rotate_half).
-    interleaved: dims 2i and 2i + 1 pair (DeepSeek, Llama 4: the complex-number form); the
-    result is written with the pairs' first members first, then the second members. q and
-    k get the same permutation, so q.k (all attention uses) is unchanged.
-    """
-    n = 2 * cos.shape[-1]
-    rot, rest = x[..., :n], x[..., n:]
-    if style == "interleaved":
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    else:
-        x1, x2 = rot[..., : n // 2], rot[..., n // 2 :]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+    """x [T, h, d] rotated by cos/sin [T, F] (see `Rotation`)."""
+    return Rotation.of(cos, sin, style).apply(x)

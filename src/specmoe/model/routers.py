@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base.specs import RouterSpec
+from .layers import as_float32
 from .moe import Routing
 
 
@@ -97,5 +98,5 @@ ROUTERS = {
 def route(spec: RouterSpec, x: torch.Tensor, weight: torch.Tensor, logit_bias: torch.Tensor | None = None,
           correction_bias: torch.Tensor | None = None) -> Routing:
     """The block's choice for x [T, D]: logits in float32, then the family's router."""
-    logits = F.linear(x.float(), weight.float(), None if logit_bias is None else logit_bias.float())
+    logits = F.linear(as_float32(x), as_float32(weight), None if logit_bias is None else as_float32(logit_bias))
     return ROUTERS[spec.kind](spec, logits, correction_bias)

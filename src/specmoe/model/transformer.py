@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..base.model_config import ModelConfig
 from .attention import ATTENTION
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
-from .layers import norm, swiglu
+from .layers import as_float32, norm, swiglu
 from .moe import ExpertBackend, Routing
 from .rope import RotaryTable
 from .routers import route
@@ -53,7 +53,7 @@ class MoETransformer:
     def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache, experts: ExpertBackend) -> torch.Tensor:
         c = self.config
         cache.reserve(batch.kv_len)
-        rope = self.rotary.lookup(batch.positions, self.dtype)
+        rope = self.rotary.rotation(batch.positions, self.dtype)
         h = F.embedding(tokens, self.weights.embed)  # [T, D]
         for i, lw in enumerate(self.weights.layers):
             x = self.norm(h, lw.attn_norm, lw.attn_norm_bias)
@@ -68,7 +68,7 @@ class MoETransformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, D] final hidden states -> [n, V] float32 logits."""
-        return F.linear(hidden, self.weights.lm_head, self.weights.lm_head_bias).float()
+        return as_float32(F.linear(hidden, self.weights.lm_head, self.weights.lm_head_bias))
 
     def mlp(self, i, lw: LayerWeights, x, experts: ExpertBackend) -> torch.Tensor:
         if lw.router is None:

@@ -20,12 +20,9 @@ class LayerWeights:
     o: torch.Tensor
     attn_norm_bias: Tensor = None  # LayerNorm families
     mlp_norm_bias: Tensor = None
-    q: Tensor = None  # GQA; MLA without a q latent
-    k: Tensor = None
-    v: Tensor = None
-    q_bias: Tensor = None
-    k_bias: Tensor = None
-    v_bias: Tensor = None
+    qkv: Tensor = None  # GQA: q, k and v rows in one matrix [(H + 2G) d, D], one matmul per layer
+    qkv_bias: Tensor = None
+    q: Tensor = None  # MLA without a q latent
     o_bias: Tensor = None
     q_norm: Tensor = None
     k_norm: Tensor = None
@@ -124,10 +121,12 @@ class _Loader:
     def gqa(self, lw: LayerWeights, i: int) -> None:
         a, D = self.c.attention, self.c.hidden_size
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        lw.q, lw.k, lw.v = self.get("q", (q_out, D), i), self.get("k", (kv_out, D), i), self.get("v", (kv_out, D), i)
-        lw.q_bias = self.get("q_bias", (q_out,), i, required=False)
-        lw.k_bias = self.get("k_bias", (kv_out,), i, required=False)
-        lw.v_bias = self.get("v_bias", (kv_out,), i, required=False)
+        lw.qkv = torch.cat([self.get(role, (n, D), i) for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))])
+        biases = [self.get(role + "_bias", (n,), i, required=False)
+                  for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        if any(b is not None for b in biases):  # a missing one adds zeros: x.w + 0 is x.w exactly
+            lw.qkv_bias = torch.cat([b if b is not None else lw.qkv.new_zeros(n)
+                                     for b, n in zip(biases, (q_out, kv_out, kv_out))])
         norm_q, norm_k = {"head": (a.head_dim, a.head_dim), "full": (q_out, kv_out)}.get(a.qk_norm, (None, None))
         if norm_q:
             lw.q_norm, lw.k_norm = self.get("q_norm", (norm_q,), i), self.get("k_norm", (norm_k,), i)

@@ -1,0 +1,90 @@
+"""The GGUF copy the llama.cpp anchor runs: every tensor of the checkpoint where llama.cpp
+looks for it, RoPE rows permuted so that llama.cpp's rotation gives the same q.k, and,
+where llama-cpp-python is installed, llama.cpp's greedy tokens against resident's."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from factories import make_checkpoint  # noqa: E402
+
+from specmoe.base.checkpoint import Checkpoint  # noqa: E402
+from specmoe.base.errors import SpecMoEError  # noqa: E402
+from specmoe.base.paths import default_model_dir  # noqa: E402
+from specmoe.model.moe import expert_views  # noqa: E402
+from specmoe.model.rope import Rotation  # noqa: E402
+from specmoe.tools.gguf_export import cached_gguf, rope_to_interleaved, write_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral(tmp_path_factory):
+    path = make_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral"), layout="fused")
+    shutil.copy(default_model_dir() / "tokenizer.json", path / "tokenizer.json")  # ids past the vocabulary are dropped
+    return Checkpoint(path)
+
+
+def test_the_gguf_copy_holds_every_tensor_where_llama_cpp_reads_it(tiny_mixtral, tmp_path):
+    ckpt, c = tiny_mixtral, tiny_mixtral.config
+    write_gguf(ckpt, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    per_block = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate_inp",
+                 "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(c.num_layers) for n in per_block}
+    I = c.expert.inter
+    views = [expert_views(ckpt.expert_buffer(1, e, torch.float32), c.expert) for e in range(c.num_experts)]
+    assert torch.equal(tensors["blk.1.ffn_up_exps.weight"], torch.stack([v.w_in[I:] for v in views]))
+    assert torch.equal(tensors["blk.1.ffn_down_exps.weight"], torch.stack([v.w_out for v in views]))
+    assert torch.equal(tensors["blk.1.ffn_gate_inp.weight"], ckpt.get("router", (c.num_experts, c.hidden_size), 1))
+    fields = {f.name: f for f in reader.fields.values()}
+    assert int(fields["llama.expert_used_count"].parts[-1][0]) == c.router.top_k
+    assert len(fields["tokenizer.ggml.tokens"].data) == c.vocab_size
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_permuted_rope_rows_keep_every_q_dot_k(heads):
+    """llama.cpp rotates pairs (2i, 2i + 1); the checkpoint's rows are laid out for pairs
+    (i, i + d/2). With the rows permuted, q.k at every pair of positions is unchanged."""
+    d, D, T = 8, 12, 5
+    gen = torch.Generator().manual_seed(heads)
+    wq, wk, x = torch.randn(heads * d, D, generator=gen), torch.randn(heads * d, D, generator=gen), torch.randn(T, D, generator=gen)
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * torch.rand(d // 2, generator=gen)
+
+    def dots(q_rows, k_rows, style):
+        rot = Rotation.of(angles.cos(), angles.sin(), style)
+        q, k = (rot.apply((x @ w.T).view(T, heads, d)) for w in (q_rows, k_rows))
+        return torch.einsum("thd,shd->hts", q, k)
+
+    want = dots(wq, wk, "half")
+    got = dots(rope_to_interleaved(wq, heads), rope_to_interleaved(wk, heads), "interleaved")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dots(wq, wk, "interleaved"), want, atol=1e-3)  # without the permutation, it differs
+
+
+def test_a_family_llama_cpp_cannot_run_as_converted_is_a_clear_error(tmp_path):
+    ckpt = Checkpoint(make_checkpoint("qwen2_moe", tmp_path / "q"))
+    with pytest.raises(SpecMoEError, match="Qwen2MoeForCausalLM to GGUF is not supported"):
+        cached_gguf(ckpt, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # nothing half-written is left to be taken for a copy
+
+
+def test_llama_cpp_on_the_copy_decodes_the_demo_model_as_resident_does(tmp_path):
+    """Where llama-cpp-python is built (make anchors): its greedy tokens on the GGUF copy
+    are resident's, up to a near tie its kernels break the other way."""
+    pytest.importorskip("llama_cpp")
+    from specmoe import LLM, SamplingParams
+    from specmoe.bench.anchors import LlamaCppRunner
+
+    prompts = [[345, 88, 1020, 77, 9], [12, 600, 31]]
+    record, theirs = LlamaCppRunner(default_model_dir(), prompts, 16, 1, tmp_path).run()
+    ours = [o.token_ids for o in LLM().generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                       ignore_eos=True))]
+    agree = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / sum(map(len, ours))
+    assert [t[0] for t in theirs] == [o[0] for o in ours] and agree >= 0.9, (theirs, ours)
+    assert record["decode_tokens_per_s"] > 0
