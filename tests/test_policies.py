@@ -167,8 +167,9 @@ def test_disk_file_is_reused_while_the_checkpoint_is_unchanged(setup, tmp_path):
 
 def test_auto_runs_its_plan_and_keeps_the_output(setup, tmp_path, monkeypatch):
     """On the fixed profile with nothing learnt yet (a fresh cache dir), auto plans
-    overlap for this tiny model at batch 8 (tests/test_autotune_choose.py shows plans
-    that change with the batch) and its output is resident's."""
+    SpecMoE with an int8 draft for this tiny model at batch 8 (the engine's operator
+    counts make a draft pass cheap; tests/test_autotune_choose.py shows plans that change
+    with the batch), runs what it planned, and its output is resident's."""
     path, prompts, ref_stats, budget = setup
     monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
     install_fixed_profile(tmp_path / "cache")
@@ -176,6 +177,7 @@ def test_auto_runs_its_plan_and_keeps_the_output(setup, tmp_path, monkeypatch):
               device_memory=budget, max_batch_size=8, max_model_len=64)
     llm.generate(prompts, PARAMS)
     stats = llm.last_stats
-    assert (stats["policy"], stats["auto_choice"], stats["auto_plan"]) == ("auto", "overlap", "overlap")
+    assert (stats["policy"], stats["auto_choice"]) == ("auto", "specmoe")
+    assert stats["auto_plan"].startswith("specmoe") and "int8 draft" in stats["auto_plan"], stats["auto_plan"]
     assert stats["token_ids_sha256"] == ref_stats["token_ids_sha256"]
     llm.close()
