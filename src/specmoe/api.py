@@ -60,9 +60,12 @@ class LLM:
 
     def generate(
         self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        progress=None,
+        progress=None, src_lang: str | None = None, tgt_lang: str | int | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+
+        An encoder-decoder model (NLLB-MoE) translates each prompt from `src_lang` into
+        `tgt_lang` (NLLB codes such as eng_Latn, fra_Latn; defaults from its tokenizer)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -76,7 +79,7 @@ class LLM:
         engine.policy.reset_stats()
         engine.budget.reset_peak()
         start = time.perf_counter()
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        seqs = [engine.add_request(p, sp, src_lang, tgt_lang) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             seq.arrival_s = start
         try:

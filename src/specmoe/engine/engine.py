@@ -22,6 +22,7 @@ from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
+from ..model.seq2seq import EncoderDecoderTransformer
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .gamma import MAX_GAMMA
@@ -32,6 +33,7 @@ from .sequence import Sequence
 from .speculative import SpeculativeDecoder
 from .stats import RunCounters
 from .tracing import StepTracer
+from .translation import check_languages, translation_ids
 
 MAX_PREFILL_TOKENS = 4096  # tokens per prefill forward: bounds activation memory
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -91,7 +93,8 @@ class Engine:
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, expert_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
-        self.model = MoETransformer(self.config, weights, self.device, self.dtype)
+        model_class = EncoderDecoderTransformer if self.config.seq2seq else MoETransformer
+        self.model = model_class(self.config, weights, self.device, self.dtype)
         self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len, rollback=rollback)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
@@ -153,14 +156,24 @@ class Engine:
             raise SpecMoEError("empty prompt: give at least one character or token id")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams) -> Sequence:
-        ids = self.encode(prompt)
+    def add_request(self, prompt, params: SamplingParams, src_lang=None, tgt_lang=None) -> Sequence:
+        """Queue a request. An encoder-decoder model translates `prompt` (the source) from
+        `src_lang` into `tgt_lang`; a decoder-only model continues it."""
+        check_languages(self.config, src_lang, tgt_lang)
+        source = []
+        if self.config.seq2seq:
+            source, ids = translation_ids(self.config, self.tokenizer, prompt, src_lang, tgt_lang, self.encode)
+            if len(source) > self.max_model_len:
+                raise SpecMoEError(f"source of {len(source)} tokens does not fit the context of "
+                                   f"{self.max_model_len} positions: shorten the text")
+        else:
+            ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise SpecMoEError(
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} positions: "
                 "shorten the prompt" + (" or raise --max-model-len" if self.max_model_len < self.config.max_position_embeddings else "")
             )
-        seq = Sequence(self._next_id, ids, params)
+        seq = Sequence(self._next_id, ids, params, source_ids=source)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
@@ -203,12 +216,15 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         chunks: list[list[Sequence]] = [[]]
+        size = lambda s: len(s.prompt_ids) + len(s.source_ids)  # noqa: E731
         for seq in seqs:
-            if chunks[-1] and sum(len(s.prompt_ids) for s in chunks[-1]) + len(seq.prompt_ids) > MAX_PREFILL_TOKENS:
+            if chunks[-1] and sum(map(size, chunks[-1])) + size(seq) > MAX_PREFILL_TOKENS:
                 chunks.append([])
             chunks[-1].append(seq)
         with self.pass_scope("prefill") as experts:
             for chunk in chunks:
+                if self.config.seq2seq:  # the encoder at admission: its blocks run once for the chunk's sources
+                    self.model.encode([s.slot for s in chunk], [s.source_ids for s in chunk], self.cache, experts)
                 # the LM head runs on every prompt position only for sequences that score their prompt
                 scored = [s.params.prompt_logprobs is not None for s in chunk]
                 logits = self.forward_logits(experts, [s.slot for s in chunk], [s.prompt_ids for s in chunk],

@@ -32,6 +32,9 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None, one per later prompt token], if asked for
+    # an encoder-decoder model: the source the encoder reads (prompt_ids are then the
+    # decoder's start: the start token and the target language's)
+    source_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.params.seed is not None:
