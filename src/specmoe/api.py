@@ -13,7 +13,7 @@ from .autotune.choose import choose
 from .autotune.learn import learn_from_run
 from .base.config import EngineConfig
 from .base.errors import SpecMoEError
-from .base.paths import default_model_dir
+from .base.paths import resolve_model_dir
 from .engine.engine import Engine
 from .engine.logprobs import TokenLogprobs
 from .engine.sampling import SamplingParams
@@ -40,12 +40,13 @@ class RequestOutput:
 class LLM:
     """An MoE model with an expert-placement policy, for batch generation.
 
-    `model=None` uses the bundled demo model. Engine options (policy, offload,
+    `model=None` uses the bundled demo model; "specmoe-demo-translate" the bundled
+    translation model (an NLLB-MoE: `generate(..., src_lang=, tgt_lang=)`). Engine options (policy, offload,
     device_memory, gamma, draft_experts, ...) are those of `EngineConfig`.
     """
 
     def __init__(self, model: str | Path | None = None, **options):
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_dir = resolve_model_dir(model)
         self.options = EngineConfig.from_kwargs(**options)
         self.engine = Engine(self.model_dir, self.options, choose=choose)
         self.last_stats: dict | None = None

@@ -41,7 +41,8 @@ def cmd_generate(args) -> int:
     batch = args.batch_size or len(prompts)
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=batch))
     with _progress(enabled=not args.json and sys.stderr.isatty(), total=len(prompts) * args.max_tokens) as tick:
-        outputs = llm.generate(prompts, params, progress=lambda: tick(llm))
+        outputs = llm.generate(prompts, params, progress=lambda: tick(llm), src_lang=args.src_lang,
+                               tgt_lang=args.tgt_lang)
     stats = llm.last_stats
     if args.json:
         json.dump(
@@ -53,7 +54,8 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
     else:
         for prompt, out in zip(prompts, outputs):
-            shown = prompt if isinstance(prompt, str) else ""
+            # a translation stands alone; a continuation follows its prompt
+            shown = prompt if isinstance(prompt, str) and not llm.config.seq2seq else ""
             print(shown + (out.text if llm.tokenizer else " ".join(map(str, out.token_ids))))
             print()
         print(_stats_line(stats), file=sys.stderr)
@@ -121,6 +123,9 @@ def build_parser() -> Parser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--batch-size", type=int, help="sequences decoded together (default: all prompts)")
+    g.add_argument("--src-lang", help="an encoder-decoder (translation) model: the source's language, "
+                                      "an NLLB code such as eng_Latn (default: the tokenizer's)")
+    g.add_argument("--tgt-lang", help="an encoder-decoder model: the language to translate into, e.g. fra_Latn")
     g.add_argument("--json", action="store_true", help="print one JSON object {stats, outputs} and nothing else")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
