@@ -174,6 +174,7 @@ def write_tokenizer_files(tok, d: Path) -> None:
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
            "pad_token": "<pad>", "unk_token": "<unk>",
            "additional_special_tokens": [SRC_LANG, TGT_LANG], "model_max_length": 256,
+           "src_lang": SRC_LANG, "tgt_lang": TGT_LANG,  # the direction it was trained on: specmoe's defaults
            "clean_up_tokenization_spaces": False}
     (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
