@@ -156,18 +156,28 @@ class Engine:
             raise SpecMoEError("empty prompt: give at least one character or token id")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams, src_lang=None, tgt_lang=None) -> Sequence:
-        """Queue a request. An encoder-decoder model translates `prompt` (the source) from
-        `src_lang` into `tgt_lang`; a decoder-only model continues it."""
+    def request_ids(self, prompt, src_lang=None, tgt_lang=None) -> tuple[list[int] | None, list[int]]:
+        """(source ids, prompt ids) of a request: an encoder-decoder model reads `prompt` as
+        the source to translate from `src_lang` into `tgt_lang` and starts its decoder with
+        the start and target-language tokens; a decoder-only model has no source."""
         check_languages(self.config, src_lang, tgt_lang)
-        source = []
-        if self.config.seq2seq:
-            source, ids = translation_ids(self.config, self.tokenizer, prompt, src_lang, tgt_lang, self.encode)
-            if len(source) > self.max_model_len:
-                raise SpecMoEError(f"source of {len(source)} tokens does not fit the context of "
-                                   f"{self.max_model_len} positions: shorten the text")
+        if not self.config.seq2seq:
+            return None, self.encode(prompt)
+        source, ids = translation_ids(self.config, self.tokenizer, prompt, src_lang, tgt_lang, self.encode)
+        if len(source) > self.max_model_len:
+            raise SpecMoEError(f"source of {len(source)} tokens does not fit the context of "
+                               f"{self.max_model_len} positions: shorten the text")
+        return source, ids
+
+    def add_request(self, prompt, params: SamplingParams, src_lang=None, tgt_lang=None,
+                    source_ids: list[int] | None = None) -> Sequence:
+        """Queue a request (see `request_ids`); given `source_ids` (from `request_ids`),
+        `prompt` is the prompt's ids as that returned them."""
+        if source_ids is None:
+            source_ids, ids = self.request_ids(prompt, src_lang, tgt_lang)
         else:
-            ids = self.encode(prompt)
+            ids = list(prompt)
+        source = source_ids or []
         if len(ids) >= self.max_model_len:
             raise SpecMoEError(
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} positions: "

@@ -46,8 +46,9 @@ class RequestHandle:
     """One request as both sides see it. The engine thread writes `seq` and `text`;
     the event loop only reads `queue`."""
 
-    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop, source_ids=None):
         self.prompt_ids = prompt_ids
+        self.source_ids = source_ids  # an encoder-decoder model's framed source
         self.params = params
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.aloop = aloop
@@ -213,7 +214,7 @@ class EngineLoop:
 
     def _add(self, handle: RequestHandle) -> None:
         try:
-            seq = self.engine.add_request(handle.prompt_ids, handle.params)
+            seq = self.engine.add_request(handle.prompt_ids, handle.params, source_ids=handle.source_ids)
         except SpecMoEError as exc:  # checked by the handler already; a safety net
             handle.push(Delta(error=APIError(400, str(exc))))
             return
