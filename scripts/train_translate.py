@@ -492,6 +492,86 @@ def stage_score(work: Path, tokdir: Path, split: dict) -> dict:
     return scores
 
 
+def model_card(scores: dict, loss_log: str) -> str:
+    """MODEL_CARD.md from scores.json (data, training, scores, routing) and the loss log."""
+    last = [l.split(",") for l in loss_log.splitlines() if l.strip()][-1]
+    load = scores["routing"]["load"]
+    rows = "\n".join(f"| {block} | {min(v):.3f} | {max(v):.3f} | {sum(1 for x in v if x == 0)} | "
+                     f"{scores['routing']['temporal_locality'].get(block, '–')} |" for block, v in load.items())
+    cell = lambda text: repr(text).replace("|", "\\|")  # noqa: E731
+    examples = "\n".join(f"| {cell(e['en'])} | {cell(e['reference'])} | {cell(e['model'])} |"
+                         for e in scores["examples"][:8])
+    m, c = scores["model"], scores["copy_source"]
+    return f"""# specmoe-demo-translate
+
+A small English->French translation Mixture-of-Experts in NLLB-MoE's layout
+(`NllbMoeForConditionalGeneration`), bundled with specmoe so that the encoder-decoder
+engine, its offloading policies and SpecMoE can be run and measured without a download.
+It is a demonstration model, not a usable translator.
+
+## Architecture
+
+d_model 192, 4 attention heads; a 4-layer encoder and a 4-layer decoder, pre-LayerNorm;
+an MoE block every 2nd layer of each (encoder blocks 1, 3; decoder blocks 5, 7 in specmoe's
+numbering), 16 experts, top-2 (second expert policy "all", evaluation capacity keeping every
+token), ReLU fc1/fc2 experts of 384; dense FFN 384; sinusoidal positions; embeddings
+scaled by sqrt(d_model) and tied with the output head; moe_token_dropout 0.1 (expert
+outputs scaled by 0.9 at inference). 13.4 M parameters, bf16 safetensors. Vocabulary:
+byte-level BPE of 8000 tokens with `<s>` 0, `<pad>` 1, `</s>` 2 (the decoder start),
+`<unk>` 3 and the language codes `eng_Latn`, `fra_Latn` as special tokens (the
+tokenizer's defaults: `src_lang` eng_Latn, `tgt_lang` fra_Latn, the trained direction).
+
+## Data
+
+The gettext message catalogs that Debian packages install on this machine
+(`/usr/share/locale/fr/LC_MESSAGES/*.mo`, and vim's), English msgid -> French msgstr,
+read with each catalog's own charset; the owning package by `dpkg -S`; deduplicated per
+package. {scores['train_pairs']} training pairs; held out by package (sha256(package)
+% 100 < 10): {', '.join(scores['heldout_packages'])}; held-out strings whose English also
+occurs in training dropped. Scored on {scores['test_pairs']} held-out pairs (sources and
+targets of at most 48 tokens); `benchmarks/prompts/translate_heldout.jsonl` holds them.
+
+## Training
+
+`scripts/train_translate.py` (resumable; `--resume`, checkpoints every 4 minutes): AdamW
+(betas 0.9 / 0.98, weight decay 0.01), peak lr 2e-3 with 300 warm-up steps and cosine
+decay over a step count fixed from the first steps' speed and the time budget, batches of
+about 2500 source + target tokens of similar length, label smoothing 0.1, a per-block
+Switch load-balancing loss (coefficient 0.05), one CPU thread on a shared 2-core machine.
+transformers 5's NllbMoeExperts.forward runs experts 0 and 1 on every token whatever the
+router chose; training used fairseq's mixture (each token's top-1 and top-2 experts), the
+semantics specmoe computes. {scores['steps']} steps ({scores['epochs'] + 1} epoch(s) begun),
+{scores['train_minutes']} minutes; last logged training loss {float(last[2]):.2f}
+(label-smoothed cross-entropy).
+
+## Scores (held-out packages, sacrebleu)
+
+| system | BLEU | chrF |
+|---|---|---|
+| this model, greedy | {m['bleu']:.2f} | {m['chrf']:.2f} |
+| copy the source | {c['bleu']:.2f} | {c['chrf']:.2f} |
+
+Examples:
+
+| English | reference | model |
+|---|---|---|
+{examples}
+
+## Routing statistics (the first 200 held-out pairs, teacher-forced)
+
+Load: each block's share of top-2 picks per expert (min and max over its 16 experts, and
+experts never picked). Temporal locality (decoder blocks): the share of a token's two
+experts that the previous token of the same sequence also used, what SpecMoE's temporal
+draft set relies on.
+
+| block | min share | max share | unused experts | temporal locality |
+|---|---|---|---|---|
+{rows}
+
+Per-expert shares: `scores.json` beside this card.
+"""
+
+
 # --------------------------------------------------------------------------- f. export
 def export(work: Path, tokdir: Path, out: Path) -> None:
     import torch
@@ -509,11 +589,14 @@ def export(work: Path, tokdir: Path, out: Path) -> None:
     write_tokenizer_files(load_tok(tokdir), tmp)
     size = (tmp / "model.safetensors").stat().st_size
     assert size <= 40e6, size
+    (tmp / "model.safetensors").chmod(0o644)
     for keep in ("MODEL_CARD.md", "scores.json"):
         if (out / keep).exists():
             shutil.copy(out / keep, tmp / keep)
     if (work / "scores.json").exists():
         shutil.copy(work / "scores.json", tmp / "scores.json")
+        scores = json.loads((work / "scores.json").read_text())
+        (tmp / "MODEL_CARD.md").write_text(model_card(scores, (work / "loss_log.csv").read_text()))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     log(f"exported step {st['step']} to {out}: model.safetensors {size / 1e6:.1f} MB")

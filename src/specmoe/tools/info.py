@@ -122,7 +122,9 @@ def _attention_summary(c) -> str:
     windows = [w for w in c.windows if w is not None]
     if windows:
         text += f"; {len(windows)} of {c.num_layers} layers {windows[0].kind} over {windows[0].size} positions"
-    if not all(c.rope_layers):
+    if c.family.positions == "sinusoidal":
+        text += "; sinusoidal positions (no RoPE)"
+    elif not all(c.rope_layers):
         text += f"; {c.rope_layers.count(False)} layers without RoPE"
     return text
 
