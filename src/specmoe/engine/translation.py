@@ -24,9 +24,10 @@ def language_id(tokenizer, code: str | int | None, flag: str) -> int | None:
     if tokenizer is None:
         raise SpecMoEError(f"{flag} {code}: this model has no tokenizer.json to look the code up in; "
                            "pass the language token's id instead")
-    token = tokenizer.token_id(code)
+    special = tokenizer.special_tokens()
+    token = tokenizer.token_id(code) if code in special else None  # a language is a special token, not a word piece
     if token is None:
-        codes = [t for t in tokenizer.special_tokens() if LANGUAGE_CODE.match(t)]
+        codes = [t for t in special if LANGUAGE_CODE.match(t)]
         raise SpecMoEError(f"{flag} {code} is not a language of this model; its language codes: "
                            f"{', '.join(codes) or 'none'}")
     return token
