@@ -150,7 +150,7 @@ def _quantized_draft(runtime) -> str | None:
     free = budget.available() if budget.limit is not None else None
     for mode in ("int8", "int4"):
         copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
-        need = copy * len(runtime.draft_keys) + scratch
+        need = copy * len(c.draft_layer_ids) * c.num_experts + scratch  # the decoder's experts
         if free is None or free >= need + WORKING_SLOTS * runtime.expert_bytes:
             return mode
     return None
