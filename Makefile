@@ -18,6 +18,8 @@ install: $(BIN)/specmoe
 demo: install
 	$(BIN)/specmoe info
 	$(BIN)/specmoe generate "The built-in function len returns" --max-tokens 48
+	$(BIN)/specmoe generate --model specmoe-demo-translate --src-lang eng_Latn --tgt-lang fra_Latn \
+		"Save changes to the document before closing?" --max-tokens 32 --policy specmoe --device-memory 30%
 	$(BIN)/specmoe generate --prompts-file benchmarks/prompts/heldout.jsonl --num-prompts 16 \
 		--max-tokens 32 --policy specmoe --offload disk --device-memory 30% --batch-size 16 > /dev/null
 

@@ -22,11 +22,13 @@ def test_mixtral_8x7b_splits_into_90_gb_experts_and_3_gb_rest():
     assert (s.expert_bytes_total + s.non_expert_bytes) / 2 / GB == pytest.approx(46.7, abs=0.2)  # params
 
 
-def test_nllb_decoder_has_six_moe_layers_of_128_two_matrix_experts():
+def test_nllb_encoder_and_decoder_have_six_moe_layers_each_of_128_two_matrix_experts():
     s = PRESETS["nllb-moe-54b"]
-    assert s.moe_layers == (3, 7, 11, 15, 19, 23)
+    assert s.encoder_layers == 24 and s.step_layers == 24
+    assert s.moe_layers == (3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47)
+    assert s.step_moe_layers == s.encoder_moe_layers == 6
     assert s.expert_bytes == 2 * 2048 * 8192 * 2
-    assert "decoder-only" in s.note
+    assert (s.expert_bytes_total + s.non_expert_bytes) / 2 / 1e9 == pytest.approx(54.5, abs=0.5)  # 54.5 B params
 
 
 @pytest.mark.parametrize("name,params_b", [("llama-4-scout", 109), ("qwen3-30b-a3b", 30.5),

@@ -160,7 +160,10 @@ class FakeEngine:
     def encode(self, prompt):
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def add_request(self, prompt, params):
+    def request_ids(self, prompt, src_lang=None, tgt_lang=None):
+        return None, self.encode(prompt)
+
+    def add_request(self, prompt, params, source_ids=None):
         seq = Sequence(self._next, self.encode(prompt), params)
         self._next += 1
         self.scheduler.add(seq)

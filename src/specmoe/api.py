@@ -13,7 +13,7 @@ from .autotune.choose import choose
 from .autotune.learn import learn_from_run
 from .base.config import EngineConfig
 from .base.errors import SpecMoEError
-from .base.paths import default_model_dir
+from .base.paths import resolve_model_dir
 from .engine.engine import Engine
 from .engine.logprobs import TokenLogprobs
 from .engine.sampling import SamplingParams
@@ -44,12 +44,13 @@ class RequestOutput:
 class LLM:
     """An MoE model with an expert-placement policy, for batch generation.
 
-    `model=None` uses the bundled demo model. Engine options (policy, offload,
+    `model=None` uses the bundled demo model; "specmoe-demo-translate" the bundled
+    translation model (an NLLB-MoE: `generate(..., src_lang=, tgt_lang=)`). Engine options (policy, offload,
     device_memory, gamma, draft_experts, ...) are those of `EngineConfig`.
     """
 
     def __init__(self, model: str | Path | None = None, **options):
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_dir = resolve_model_dir(model)
         self.options = EngineConfig.from_kwargs(**options)
         self.engine = Engine(self.model_dir, self.options, choose=choose)
         self.last_stats: dict | None = None
@@ -64,9 +65,12 @@ class LLM:
 
     def generate(
         self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        progress=None,
+        progress=None, src_lang: str | None = None, tgt_lang: str | int | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (a string or a list of token ids); outputs in prompt order.
+
+        An encoder-decoder model (NLLB-MoE) translates each prompt from `src_lang` into
+        `tgt_lang` (NLLB codes such as eng_Latn, fra_Latn; defaults from its tokenizer)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -80,7 +84,7 @@ class LLM:
         engine.policy.reset_stats()
         engine.budget.reset_peak()
         start = time.perf_counter()
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        seqs = [engine.add_request(p, sp, src_lang, tgt_lang) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
             seq.arrival_s = start
         try:

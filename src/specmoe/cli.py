@@ -44,7 +44,8 @@ def cmd_generate(args) -> int:
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=batch))
     with open_output(args.output) as file:  # opened first: a bad path fails before the run
         with _progress(enabled=not args.json and sys.stderr.isatty(), total=len(prompts) * args.max_tokens) as tick:
-            outputs = llm.generate(prompts, params, progress=lambda: tick(llm))
+            outputs = llm.generate(prompts, params, progress=lambda: tick(llm), src_lang=args.src_lang,
+                                   tgt_lang=args.tgt_lang)
         for index, (prompt, out) in enumerate(zip(prompts, outputs)):
             if file:
                 write_record(file, index, prompt, out)
@@ -55,7 +56,8 @@ def cmd_generate(args) -> int:
         sys.stdout.write("\n")
     elif not args.output:
         for prompt, out in zip(prompts, outputs):
-            shown = prompt if isinstance(prompt, str) else ""
+            # a translation stands alone; a continuation follows its prompt
+            shown = prompt if isinstance(prompt, str) and not llm.config.seq2seq else ""
             print(shown + (out.text if llm.tokenizer else " ".join(map(str, out.token_ids))))
             print()
     if not args.json:
@@ -117,6 +119,9 @@ def build_parser() -> Parser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--batch-size", type=int, help="sequences decoded together (default: all prompts)")
+    g.add_argument("--src-lang", help="an encoder-decoder (translation) model: the source's language, "
+                                      "an NLLB code such as eng_Latn (default: the tokenizer's)")
+    g.add_argument("--tgt-lang", help="an encoder-decoder model: the language to translate into, e.g. fra_Latn")
     g.add_argument("--json", action="store_true", help="print one JSON object {stats, outputs} and nothing else")
     g.add_argument("--output", metavar="FILE.jsonl", help="write one JSON line per prompt {index, prompt, text, "
                    "token_ids, finish_reason} to FILE, in prompt order (with --replicas: as results finish)")

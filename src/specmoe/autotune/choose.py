@@ -153,7 +153,7 @@ def _quantized_draft(runtime) -> str | None:
     free = budget.available() if budget.limit is not None else None
     for mode in draft_modes(c.expert_quant):
         copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
-        need = copy * len(runtime.expert_keys) + scratch
+        need = copy * len(c.draft_layer_ids) * c.num_experts + scratch  # the decoder's experts
         if free is None or free >= need + WORKING_SLOTS * runtime.slot_bytes:
             return mode
     return None

@@ -37,18 +37,29 @@ from .quantized_tensors import (
 # Mixtral and Phi-3.5-MoE write their MoE block as `block_sparse_moe`, Llama 4 as
 # `feed_forward`, the others (and transformers 5 for all) as `mlp`.
 LAYER_TENSORS: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("input_layernorm.weight",),
-    "attn_norm_bias": ("input_layernorm.bias",),
-    "mlp_norm": ("post_attention_layernorm.weight",),
-    "mlp_norm_bias": ("post_attention_layernorm.bias",),
+    "attn_norm": ("input_layernorm.weight", "self_attn_layer_norm.weight"),
+    "attn_norm_bias": ("input_layernorm.bias", "self_attn_layer_norm.bias"),
+    "mlp_norm": ("post_attention_layernorm.weight", "ff_layer_norm.weight"),
+    "mlp_norm_bias": ("post_attention_layernorm.bias", "ff_layer_norm.bias"),
     "q": ("self_attn.q_proj.weight",),
     "k": ("self_attn.k_proj.weight",),
     "v": ("self_attn.v_proj.weight",),
-    "o": ("self_attn.o_proj.weight",),
+    "o": ("self_attn.o_proj.weight", "self_attn.out_proj.weight"),
     "q_bias": ("self_attn.q_proj.bias",),
     "k_bias": ("self_attn.k_proj.bias",),
     "v_bias": ("self_attn.v_proj.bias",),
-    "o_bias": ("self_attn.o_proj.bias",),
+    "o_bias": ("self_attn.o_proj.bias", "self_attn.out_proj.bias"),
+    # an encoder-decoder model's decoder layers attend to the source (NLLB-MoE)
+    "cross_norm": ("cross_attention_layer_norm.weight",),
+    "cross_norm_bias": ("cross_attention_layer_norm.bias",),
+    "cross_q": ("cross_attention.q_proj.weight",),
+    "cross_k": ("cross_attention.k_proj.weight",),
+    "cross_v": ("cross_attention.v_proj.weight",),
+    "cross_o": ("cross_attention.out_proj.weight",),
+    "cross_q_bias": ("cross_attention.q_proj.bias",),
+    "cross_k_bias": ("cross_attention.k_proj.bias",),
+    "cross_v_bias": ("cross_attention.v_proj.bias",),
+    "cross_o_bias": ("cross_attention.out_proj.bias",),
     "q_norm": ("self_attn.q_norm.weight",),
     "k_norm": ("self_attn.k_norm.weight",),
     "sinks": ("self_attn.sinks",),
@@ -62,8 +73,9 @@ LAYER_TENSORS: dict[str, tuple[str, ...]] = {
     "kv_a_norm": ("self_attn.kv_a_layernorm.weight",),
     "kv_b": ("self_attn.kv_b_proj.weight",),
     # the MoE block's router
-    "router": ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight"),
-    "router_bias": ("mlp.router.bias",),
+    "router": ("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight",
+               "ffn.router.classifier.weight"),
+    "router_bias": ("mlp.router.bias", "ffn.router.classifier.bias"),
     "correction_bias": ("mlp.gate.e_score_correction_bias",),
     # shared experts (on the device with the other non-expert weights)
     "shared_gate_proj": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight",
@@ -77,13 +89,22 @@ LAYER_TENSORS: dict[str, tuple[str, ...]] = {
     "dense_gate_proj": ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight"),
     "dense_up_proj": ("mlp.up_proj.weight", "feed_forward.up_proj.weight"),
     "dense_down_proj": ("mlp.down_proj.weight", "feed_forward.down_proj.weight"),
+    # dense fc1 / fc2 layers with biases (NLLB-MoE: ReLU, not gated)
+    "dense_fc1": ("ffn.fc1.weight",),
+    "dense_fc1_bias": ("ffn.fc1.bias",),
+    "dense_fc2": ("ffn.fc2.weight",),
+    "dense_fc2_bias": ("ffn.fc2.bias",),
 }
 
 # One routed expert in the per-expert layout ({e}: expert index).
 EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
     "gate": ("block_sparse_moe.experts.{e}.w1.weight", "mlp.experts.{e}.gate_proj.weight"),
-    "up": ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight"),
-    "down": ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight"),
+    "up": ("block_sparse_moe.experts.{e}.w3.weight", "mlp.experts.{e}.up_proj.weight",
+           "ffn.experts.expert_{e}.fc1.weight"),
+    "down": ("block_sparse_moe.experts.{e}.w2.weight", "mlp.experts.{e}.down_proj.weight",
+             "ffn.experts.expert_{e}.fc2.weight"),
+    "up_bias": ("ffn.experts.expert_{e}.fc1.bias",),
+    "down_bias": ("ffn.experts.expert_{e}.fc2.bias",),
 }
 
 # All routed experts of a layer in one tensor per part (transformers >= 5 with
@@ -105,9 +126,12 @@ FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
 
 # Outside the layers; names relative to the text model's prefix ("{prefix}" is e.g. "model.").
 GLOBAL_TENSORS: dict[str, tuple[str, ...]] = {
-    "embed": ("{prefix}embed_tokens.weight",),
-    "final_norm": ("{prefix}norm.weight",),
-    "final_norm_bias": ("{prefix}norm.bias",),
+    "embed": ("{prefix}embed_tokens.weight", "{prefix}decoder.embed_tokens.weight", "{prefix}shared.weight"),
+    "encoder_embed": ("{prefix}encoder.embed_tokens.weight", "{prefix}shared.weight"),
+    "final_norm": ("{prefix}norm.weight", "{prefix}decoder.layer_norm.weight"),
+    "final_norm_bias": ("{prefix}norm.bias", "{prefix}decoder.layer_norm.bias"),
+    "encoder_norm": ("{prefix}encoder.layer_norm.weight",),
+    "encoder_norm_bias": ("{prefix}encoder.layer_norm.bias",),
     "lm_head": ("lm_head.weight", "language_model.lm_head.weight"),
     "lm_head_bias": ("lm_head.bias", "language_model.lm_head.bias"),
 }
@@ -179,6 +203,14 @@ class Checkpoint:
             self._handles[fname] = handle
         return handle
 
+    def layer_prefix(self, layer: int) -> str:
+        """Where layer `layer`'s tensors are; an encoder-decoder model numbers its encoder
+        layers first, then its decoder layers."""
+        enc = self.config.encoder_layers
+        if not self.config.seq2seq:
+            return f"{self.prefix}layers.{layer}."
+        return f"{self.prefix}encoder.layers.{layer}." if layer < enc else f"{self.prefix}decoder.layers.{layer - enc}."
+
     @property
     def names(self) -> set[str]:
         return set(self._file_of) | self._packed
@@ -201,7 +233,7 @@ class Checkpoint:
     def text_names(self) -> list[str]:
         """The tensors the engine loads: the text model's layers (not multi-token-prediction
         layers past num_hidden_layers, not a vision tower) and its embedding, norm and head."""
-        layers = tuple(f"{self.prefix}layers.{i}." for i in range(self.config.num_layers))
+        layers = tuple(self.layer_prefix(i) for i in range(self.config.num_layers))
         globals_ = {t.format(prefix=self.prefix) for ts in GLOBAL_TENSORS.values() for t in ts}
         return sorted(n for n in self.names if (n.startswith(layers) or n in globals_) and not QUANT_PARTS.search(n))
 
@@ -242,7 +274,7 @@ class Checkpoint:
         if layer is None:
             candidates = tuple(t.format(prefix=self.prefix) for t in GLOBAL_TENSORS[role])
         else:
-            candidates = tuple(f"{self.prefix}layers.{layer}.{t}" for t in LAYER_TENSORS[role])
+            candidates = tuple(self.layer_prefix(layer) + t for t in LAYER_TENSORS[role])
         name = self.find(candidates)
         if name is None:
             if required:
@@ -260,7 +292,7 @@ class Checkpoint:
 
     def _layer_has(self, part: str) -> bool:
         layer = self.config.moe_layer_ids[0] if self.config.moe_layer_ids else 0
-        pre = f"{self.prefix}layers.{layer}."
+        pre = self.layer_prefix(layer)
         return self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part])) is not None
 
     @cached_property
@@ -279,13 +311,14 @@ class Checkpoint:
         if self.fused_layout:
             parts = self._fused_expert(layer, expert)
         else:
-            shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter)}
-            parts = [self._checked(self._expert_name(layer, expert, part), shapes[part])
-                     for part in (("gate", "up", "down") if spec.gated else ("up", "down"))]
+            shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter),
+                      "up_bias": (spec.inter,), "down_bias": (spec.hidden,)}
+            names = (("gate", "up", "down") if spec.gated else ("up", "down")) + (("up_bias", "down_bias") if spec.bias else ())
+            parts = [self._checked(self._expert_name(layer, expert, part), shapes[part]) for part in names]
         return torch.cat([p.reshape(-1).to(dtype) for p in parts])
 
     def _expert_name(self, layer: int, expert: int, part: str) -> str:
-        candidates = tuple(f"{self.prefix}layers.{layer}.{t}" for t in EXPERT_TENSORS[part])
+        candidates = tuple(self.layer_prefix(layer) + t for t in EXPERT_TENSORS[part])
         name = self.find(candidates, e=expert)
         if name is None:
             raise SpecMoEError(f"{self.dir}: tensor {candidates[0].format(e=expert)!r} is missing from the checkpoint")
@@ -390,7 +423,7 @@ class Checkpoint:
         if key not in cache:
             if len(cache) >= 6:
                 cache.clear()
-            pre = f"{self.prefix}layers.{layer}."
+            pre = self.layer_prefix(layer)
             name = self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part]))
             if name is None:
                 raise SpecMoEError(

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import SpecMoEError
-from .specs import AttentionSpec, AttentionWindow, ExpertSpec, RopeSpec, RouterSpec
+from .specs import AttentionSpec, AttentionWindow, ExpertSpec, RopeSpec, RouterSpec, Seq2SeqSpec
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class Family:
     default_theta: float = 10000.0
     default_partial_rotary: float = 1.0  # GLM-4.5 rotates half of each head unless the config says otherwise
     nested_config: str | None = None  # the text model's config sits under this key (multimodal checkpoints)
+    positions: str = "rope"  # rope | sinusoidal (added to the embeddings, NLLB)
+    norm_eps: float = 1e-6  # when config.json names none
+    encoder_decoder: bool = False  # encoder layers first, then decoder layers with cross-attention
 
 
 _QWEN = dict(experts_keys=("num_experts", "num_local_experts"), expert_intermediate_key="moe_intermediate_size",
@@ -71,6 +74,10 @@ FAMILIES: dict[str, Family] = {
     "Llama4ForConditionalGeneration": Family("llama4", **_LLAMA4, nested_config="text_config"),
     "PhimoeForCausalLM": Family("phimoe", ("num_local_experts",), "intermediate_size", "sparsemixer", "all",
                                 norm="layer", windows="sliding", default_theta=1000000.0),
+    "NllbMoeForConditionalGeneration": Family("nllb_moe", ("num_experts",), "encoder_ffn_dim", "top2_all",
+                                              "encoder_decoder", norm="layer", activation="relu", expert_bias=True,
+                                              dense_intermediate_key="encoder_ffn_dim", positions="sinusoidal",
+                                              norm_eps=1e-5, encoder_decoder=True),
 }
 
 
@@ -94,6 +101,11 @@ def moe_layers(family: Family, cfg: dict, num_layers: int, num_experts: int) -> 
         # DeepSeek's own code also honours moe_layer_freq (1 in every released config)
         first, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
         return tuple(i >= first and i % freq == 0 for i in range(num_layers))
+    if family.moe_pattern == "encoder_decoder":  # every `sparse_step`-th layer of each stack
+        enc = int(cfg["encoder_layers"])
+        steps = (int(cfg.get("encoder_sparse_step") or 0), int(cfg.get("decoder_sparse_step") or 0))
+        index = [(i, steps[0]) for i in range(enc)] + [(i, steps[1]) for i in range(num_layers - enc)]
+        return tuple(step > 0 and (i + 1) % step == 0 for i, step in index)
     if family.moe_pattern == "moe_layers":
         listed = cfg.get("moe_layers")
         if listed is None:
@@ -114,13 +126,16 @@ def router_spec(family: Family, cfg: dict, top_k: int, num_experts: int, where: 
             raise SpecMoEError(f"{where}: topk_method {method!r} is not supported; use greedy or group_limited_greedy")
         kind = "softmax_topk" if method == "greedy" else "group_limited_softmax"
     grouped = kind in ("group_limited_softmax", "sigmoid_group_topk")
+    # NLLB-MoE scales expert outputs by 1 - moe_token_dropout at inference (expert output masking)
+    scaling = 1.0 - float(cfg.get("moe_token_dropout") or 0.0) if kind == "top2_all" else \
+        float(cfg.get("routed_scaling_factor") or 1.0)
     return RouterSpec(
         kind=kind, top_k=top_k, num_experts=num_experts,
         renormalize=family.always_renormalize or (family.router != "deepseek_v2" and bool(cfg.get("norm_topk_prob"))),
-        scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+        scaling=scaling,
         num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
         topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
-        logit_bias=kind == "topk_softmax",
+        logit_bias=kind == "topk_softmax" or (kind == "top2_all" and bool(cfg.get("router_bias"))),
         correction_bias=kind == "sigmoid_group_topk",
         jitter_eps=float(cfg.get("router_jitter_noise") or 0.0),
         scales_input=kind == "topk_sigmoid",
@@ -207,6 +222,8 @@ def layer_windows(family: Family, cfg: dict, num_layers: int, where: str) -> tup
 
 def rope_layers(family: Family, cfg: dict, num_layers: int) -> tuple[bool, ...]:
     """Which layers rotate q and k. Llama 4's `no_rope_layers[i]` is 1 where RoPE is used."""
+    if family.positions == "sinusoidal":
+        return (False,) * num_layers
     if family.name != "llama4":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")
@@ -214,3 +231,37 @@ def rope_layers(family: Family, cfg: dict, num_layers: int) -> tuple[bool, ...]:
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     return tuple(bool(f) for f in flags)
+
+
+# --- encoder-decoder models ---------------------------------------------------------------------
+
+
+def encoder_decoder_keys(cfg: dict, where: str, arch: str) -> dict:
+    """NLLB-MoE's config keys in the common names: one layer list (encoder, then decoder),
+    one head count and one FFN size for both stacks, top-2 routing. What would make the
+    output depend on the batch (capacity dropping, a sampled second expert) is refused."""
+    enc, dec = int(need(cfg, "encoder_layers", where, arch)), int(need(cfg, "decoder_layers", where, arch))
+    for a, b in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
+        if need(cfg, a, where, arch) != need(cfg, b, where, arch):
+            raise SpecMoEError(f"{where}: {a}={cfg[a]} differs from {b}={cfg[b]}; specmoe needs one size for both stacks")
+    policy = cfg.get("second_expert_policy", "all")
+    if policy != "all":
+        raise SpecMoEError(f"{where}: second_expert_policy {policy!r} routes at random; set it to \"all\" for inference")
+    fraction = float(cfg.get("moe_eval_capacity_token_fraction", 1.0))
+    if fraction < 1.0:
+        raise SpecMoEError(f"{where}: moe_eval_capacity_token_fraction={fraction} drops tokens depending on the batch; "
+                           "set it to 1.0 (every token keeps its experts)")
+    return {**cfg, "num_hidden_layers": enc + dec, "hidden_size": need(cfg, "d_model", where, arch),
+            "num_attention_heads": cfg["encoder_attention_heads"], "num_experts_per_tok": 2,
+            "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+
+
+def seq2seq_spec(cfg: dict) -> Seq2SeqSpec:
+    pad = int(cfg.get("pad_token_id", 1) if cfg.get("pad_token_id") is not None else 1)
+    start = cfg.get("decoder_start_token_id")
+    return Seq2SeqSpec(
+        encoder_layers=int(cfg["encoder_layers"]),
+        decoder_start_token_id=int(start if start is not None else cfg.get("eos_token_id", 2)),
+        pad_token_id=pad,
+        embed_scale=math.sqrt(cfg["hidden_size"]) if cfg.get("scale_embedding", True) else 1.0,
+    )

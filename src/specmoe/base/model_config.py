@@ -11,7 +11,7 @@ from . import families as fam
 from .errors import SpecMoEError
 from .families import FAMILIES, Family
 from .quantization import ExpertQuant, expert_quant
-from .specs import AttentionSpec, AttentionWindow, ExpertSpec, RopeSpec, RouterSpec, cache_positions
+from .specs import AttentionSpec, AttentionWindow, ExpertSpec, RopeSpec, RouterSpec, Seq2SeqSpec, cache_positions
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     weight_block_size: tuple[int, int] = (128, 128)  # FP8 checkpoints: the tile each weight scale covers
     expert_quant: ExpertQuant | None = None  # how the routed experts are stored when quantized (None: float)
+    seq2seq: Seq2SeqSpec | None = None  # an encoder-decoder model: which layers are the encoder
 
     def __post_init__(self):
         for name in ("moe_layers", "windows", "rope_layers"):
@@ -73,6 +74,27 @@ class ModelConfig:
         return tuple(i for i, is_moe in enumerate(self.moe_layers) if is_moe)
 
     @property
+    def encoder_layers(self) -> int:
+        """Leading layers that form the encoder (0: decoder-only)."""
+        return self.seq2seq.encoder_layers if self.seq2seq else 0
+
+    @property
+    def decoder_layer_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.encoder_layers, self.num_layers))
+
+    @property
+    def encoder_moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in self.moe_layer_ids if i < self.encoder_layers)
+
+    @property
+    def draft_layer_ids(self) -> tuple[int, ...]:
+        """The MoE blocks token-by-token decoding runs (a draft's blocks): the decoder's."""
+        return tuple(i for i in self.moe_layer_ids if i >= self.encoder_layers)
+
+    def stack_of(self, layer: int) -> str:
+        return "encoder" if layer < self.encoder_layers else "decoder"
+
+    @property
     def expert_params(self) -> int:
         """Elements of one routed expert's buffer (its matrices, and biases where it has them)."""
         return self.expert.numel
@@ -84,14 +106,18 @@ class ModelConfig:
 
     @property
     def kv_elements_per_token(self) -> int:
-        """What the KV cache stores per token, all layers (MLA: the compressed latent)."""
-        return self.num_layers * self.attention.kv_elements_per_token
+        """What the KV cache stores per token, all layers (MLA: the compressed latent); an
+        encoder-decoder model caches its decoder layers only."""
+        return len(self.decoder_layer_ids) * self.attention.kv_elements_per_token
 
     def kv_elements_per_sequence(self, max_len: int, rollback: int) -> int:
         """KV cache elements one sequence of `max_len` positions needs, windowed layers
         holding only their window (plus `rollback` draft positions)."""
         per_layer = self.attention.kv_elements_per_token
-        return sum(per_layer * cache_positions(w, max_len, rollback) for w in self.windows)
+        own = sum(per_layer * cache_positions(self.windows[i], max_len, rollback) for i in self.decoder_layer_ids)
+        # an encoder-decoder model also keeps each decoder layer's cross-attention K/V of a
+        # source of up to max_len tokens, computed once at admission
+        return own + (len(self.decoder_layer_ids) * per_layer * max_len if self.seq2seq else 0)
 
     # --- reading config.json ----------------------------------------------------------------------
     @classmethod
@@ -105,6 +131,8 @@ class ModelConfig:
         outer, cfg = cfg, (cfg.get(family.nested_config) or {}) if family.nested_config else cfg
         if family.nested_config and not cfg:
             raise SpecMoEError(f"{where}: {arch} needs its text model's config under {family.nested_config!r}")
+        if family.encoder_decoder:
+            cfg = fam.encoder_decoder_keys(cfg, where, arch)
 
         def need(key):
             return fam.need(cfg, key, where, arch)
@@ -131,7 +159,7 @@ class ModelConfig:
             expert=expert,
             windows=fam.layer_windows(family, cfg, num_layers, where),
             rope_layers=fam.rope_layers(family, cfg, num_layers),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", family.norm_eps)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", outer.get("tie_word_embeddings", False))),
             bos_token_id=generation.get("bos_token_id", cfg.get("bos_token_id", outer.get("bos_token_id"))),
@@ -139,6 +167,7 @@ class ModelConfig:
             torch_dtype=torch_dtype,
             weight_block_size=tuple((outer.get("quantization_config") or {}).get("weight_block_size") or (128, 128)),
             expert_quant=expert_quant(outer, expert, torch_dtype, where),
+            seq2seq=fam.seq2seq_spec(cfg) if family.encoder_decoder else None,
         )
 
     @classmethod

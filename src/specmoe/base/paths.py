@@ -17,12 +17,28 @@ from .errors import SpecMoEError, warn
 from .files import publish
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "demo"
+TRANSLATE_MODEL_DIR = Path(__file__).resolve().parents[1] / "data" / "translate"
+# the bundled models by the names `--model` and the server know them
+BUNDLED = {"specmoe-demo": DEMO_MODEL_DIR, "specmoe-demo-translate": TRANSLATE_MODEL_DIR}
 
 
 def default_model_dir() -> Path:
     if not (DEMO_MODEL_DIR / "config.json").is_file():
         raise SpecMoEError("the bundled demo model is not installed in this build; pass --model DIR (a Hugging Face MoE checkpoint)")
     return DEMO_MODEL_DIR
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """--model: a directory, or a bundled model's name (a directory of that name wins);
+    None: the demo model."""
+    if model is None:
+        return default_model_dir()
+    if str(model) in BUNDLED and not Path(model).exists():
+        path = BUNDLED[str(model)]
+        if not (path / "config.json").is_file():
+            raise SpecMoEError(f"the bundled model {model} is not installed in this build; pass --model DIR")
+        return path
+    return Path(model)
 
 
 def cache_dir() -> Path:

@@ -15,7 +15,7 @@ ROPE_KINDS = ("default", "linear", "yarn", "llama3", "longrope")
 ROPE_STYLES = ("half", "interleaved")  # half: dims i and i + d/2 rotate together (NeoX); interleaved: 2i and 2i+1
 QK_NORMS = ("none", "head", "full", "l2")
 ROUTER_KINDS = ("softmax_topk", "group_limited_softmax", "sigmoid_group_topk", "topk_softmax", "topk_sigmoid",
-                "sparsemixer")
+                "sparsemixer", "top2_all")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu", "relu")
 WINDOW_KINDS = ("sliding", "chunked")
 
@@ -161,8 +161,8 @@ class RouterSpec:
             raise SpecMoEError(f"config.json: n_group={self.num_groups} must divide the {self.num_experts} experts")
         if not 1 <= self.topk_groups <= self.num_groups:
             raise SpecMoEError(f"config.json: topk_group={self.topk_groups} must be between 1 and n_group={self.num_groups}")
-        if self.kind == "sparsemixer" and self.top_k != 2:
-            raise SpecMoEError(f"config.json: Phi-3.5-MoE's sparsemixer routes to exactly 2 experts, not {self.top_k}")
+        if self.kind in ("sparsemixer", "top2_all") and self.top_k != 2:
+            raise SpecMoEError(f"config.json: the {self.kind} router routes to exactly 2 experts, not {self.top_k}")
 
 
 @dataclass(frozen=True)
@@ -197,3 +197,23 @@ class ExpertSpec:
     def numel(self) -> int:
         weights = self.in_rows * self.hidden + self.hidden * self.inter
         return weights + (self.in_rows + self.hidden if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Seq2SeqSpec:
+    """An encoder-decoder model (NLLB-MoE): the first `encoder_layers` layers of the
+    model's layer list are the encoder, the rest the decoder (one numbering, so that an
+    expert is (layer, e) in the tiers and policies whichever stack it belongs to).
+
+    The decoder starts from `decoder_start_token_id` followed by the target language's
+    token; positions are sinusoidal, offset past `pad_token_id` (fairseq's convention);
+    embeddings are scaled by `embed_scale`."""
+
+    encoder_layers: int
+    decoder_start_token_id: int
+    pad_token_id: int
+    embed_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.encoder_layers < 1:
+            raise SpecMoEError(f"config.json: an encoder-decoder model needs encoder layers, not {self.encoder_layers}")

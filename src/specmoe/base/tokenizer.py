@@ -25,6 +25,8 @@ class Tokenizer:
         self.bos_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         # Add BOS ourselves only when the config asks and the post-processor does not.
         self.add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_id is not None
+        # a translation model's default languages (NLLB's tokenizer names them so)
+        self.src_lang, self.tgt_lang = cfg.get("src_lang"), cfg.get("tgt_lang")
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer | None:
@@ -48,6 +50,12 @@ class Tokenizer:
         window = list(context[-self.LOOKBACK:])
         before = self._tok.decode(window, skip_special_tokens=False)
         return self._tok.decode(window + [token], skip_special_tokens=False)[len(before):]
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
+
+    def special_tokens(self) -> list[str]:
+        return sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
 
     @property
     def vocab_size(self) -> int:

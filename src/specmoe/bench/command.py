@@ -13,7 +13,7 @@ import torch
 
 from ..base.config import OFFLOAD_TIERS, POLICY_NAMES, EngineConfig, ModelConfig, expert_share
 from ..base.errors import SpecMoEError
-from ..base.paths import default_model_dir
+from ..base.paths import resolve_model_dir
 from ..base.prompts import read_prompts_file
 from ..base.units import parse_batch_sizes, parse_rate, parse_size
 from ..flags import add_model_args
@@ -212,7 +212,7 @@ def settings_from_args(args) -> Settings:
     EngineConfig.from_kwargs(device=args.device, dtype=args.dtype, offload=args.offload, gamma=gamma,
                              draft_experts=draft_experts, threads=args.threads,
                              **({"draft_quant": args.draft_quant} if args.draft_quant is not None else {}))
-    model_dir = str(Path(args.model) if args.model else default_model_dir())
+    model_dir = str(resolve_model_dir(args.model))
     return Settings(
         model_dir=model_dir, prompts_file=str(args.prompts_file or default_prompts_file()), policies=policies,
         batch_sizes=batch_sizes, offload=args.offload, offload_dir=args.offload_dir,

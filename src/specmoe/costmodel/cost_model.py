@@ -37,6 +37,8 @@ LAUNCHES_PER_EXPERT = 14  # per expert run: gather its positions, gate/up, SiLU,
 GROUPED_BLOCK_OPS = 24  # per MoE layer run as one grouped computation (resident): router, sort, two grouped matmuls
 DEQUANT_OPS = 10  # per quantized (draft) expert run: dequantize both matrices (int8; 17 operators against 7)
 DEFAULT_CONTEXT = 512
+DEFAULT_SOURCE = 64  # translation: a sentence or two
+DEFAULT_OUTPUT = 64
 DEFAULT_CACHE_FRACTION = 0.1  # the paper's caching baseline: 10 % of each block's experts
 DEFAULT_PREDICTION_ACCURACY = 0.8  # overlap: fraction of a token's next-layer picks predicted right
 
@@ -51,12 +53,16 @@ class Scenario:
     context_len: int = DEFAULT_CONTEXT  # mean cached positions per sequence during decode
     device_memory: int | None = None  # byte budget on the device; None: the whole device
     prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY
+    source_len: int = DEFAULT_SOURCE  # an encoder-decoder model: source tokens per request (the encoder's work)
+    output_len: int = DEFAULT_OUTPUT  # ... and tokens decoded per request (the steps its encoder pass is spread over)
 
     def __post_init__(self) -> None:
         if self.context_len < 0:
             raise ValueError("context_len must be >= 0")
         if not 0.0 <= self.prediction_accuracy <= 1.0:
             raise ValueError("prediction_accuracy must be in [0, 1]")
+        if self.source_len < 1 or self.output_len < 1:
+            raise ValueError("source_len and output_len must be >= 1")
 
     @property
     def memory(self) -> int:
@@ -135,15 +141,19 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
     s, hw = sc.shape, sc.hardware
     P = batch * per_sequence
     bpp = s.bytes_per_param
-    kv_layer = s.kv_bytes_per_token / s.num_layers
+    kv_layer = s.kv_bytes_per_token / s.step_layers
     w = PassWork()
-    for _ in range(s.num_layers):
+    for _ in range(s.step_layers):
         # attention: projections + scores over the cache; each sequence reads its K/V once
         # per pass (its positions share it) and writes K/V for its new positions.
         flops = 2 * P * s.attention_params + 4 * P * s.num_heads * s.head_dim * (sc.context_len + per_sequence)
         nbytes = s.attention_params * bpp + batch * sc.context_len * kv_layer + P * kv_layer
         w.add(hw, flops, nbytes, ATTENTION_OPS)
-    for _ in range(s.num_dense_layers):
+        if s.encoder_layers:  # cross-attention: q and o projections, scores over the source's cached K/V
+            proj = 2 * s.hidden * s.num_heads * s.head_dim
+            w.add(hw, 2 * P * proj + 4 * P * s.num_heads * s.head_dim * sc.source_len,
+                  proj * bpp + batch * sc.source_len * kv_layer, ATTENTION_OPS)
+    for _ in range(s.step_dense_layers):
         w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
     expert_bytes, expert_ops = s.expert_bytes, LAUNCHES_PER_EXPERT
     if s.expert_bytes_per_param:  # the model's own experts are quantized: dequantized per run too
@@ -151,7 +161,7 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
     if quant_bits:
         expert_bytes = s.expert_params * quant_bits / 8
         expert_ops = LAUNCHES_PER_EXPERT + DEQUANT_OPS
-    for _ in range(s.num_moe_layers):
+    for _ in range(s.step_moe_layers):
         small = s.router_params + s.shared_expert_params  # router + shared expert: every position
         w.add(hw, 2 * P * small, small * bpp, GROUPED_BLOCK_OPS if grouped else ROUTER_OPS)
         if routed:
@@ -175,8 +185,37 @@ def _device_bytes(sc: Scenario, batch: int, positions_per_seq: int, resident_exp
     return s.non_expert_bytes + kv + (resident_experts + staging_experts) * s.expert_bytes
 
 
+def encoder_pass(sc: Scenario, batch: int, cached_per_block: int | None) -> tuple[float, float]:
+    """(seconds, bytes moved) of an encoder-decoder model's encoder over a batch of B
+    admitted sources of `source_len` tokens: every encoder layer once for all B x S
+    tokens, each encoder block fetching the union of their experts once (none with
+    `cached_per_block` None: resident; else all but the block's hottest that many), then
+    every decoder layer's cross-attention K and V of the sources."""
+    s, hw, S = sc.shape, sc.hardware, sc.source_len
+    P, bpp = batch * S, s.bytes_per_param
+    w = PassWork()
+    for _ in range(s.encoder_layers):
+        w.add(hw, 2 * P * s.attention_params + 4 * P * s.num_heads * s.head_dim * S, s.attention_params * bpp,
+              ATTENTION_OPS)
+    for _ in range(s.encoder_layers - s.encoder_moe_layers):
+        w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
+    u = sc.distinct(batch, S)
+    for _ in range(s.encoder_moe_layers):
+        w.add(hw, 2 * P * (s.router_params + s.top_k * s.expert_params), u * s.expert_bytes, LAUNCHES_PER_EXPERT * u)
+    cross = 2 * s.hidden * s.num_heads * s.head_dim  # k and v projections per decoder layer
+    w.add(hw, 2 * P * cross * s.step_layers, cross * s.step_layers * bpp, 2 * s.step_layers)
+    fetched = 0.0 if cached_per_block is None else sc.distinct(batch, S, exclude_hottest=cached_per_block)
+    return w.time_s + s.encoder_moe_layers * sc.fetch_s(fetched), s.encoder_moe_layers * fetched * s.expert_bytes
+
+
 def _estimate(sc: Scenario, policy: str, batch: int, step_s: float, tokens: float, transfer_bytes: float,
               compute_s: float, transfer_s: float, roofline_s: float, device_bytes: float, **extra) -> StepEstimate:
+    if sc.shape.encoder_layers:  # one encoder pass per admitted batch, spread over its requests' decode steps
+        cached = None if policy == "resident" else cached_per_layer(sc.shape.num_experts, extra.get("cache_fraction") or 0)
+        seconds, nbytes = encoder_pass(sc, batch, cached)
+        share = tokens / sc.output_len  # decode steps per request: output_len / tokens
+        step_s, transfer_bytes = step_s + share * seconds, transfer_bytes + share * nbytes
+        device_bytes += batch * sc.source_len * sc.shape.kv_bytes_per_token
     generated = batch * tokens
     return StepEstimate(policy=policy, batch_size=batch, step_s=step_s, tokens_per_step=tokens,
                         decode_tokens_per_s=generated / step_s, transfer_bytes=transfer_bytes,
@@ -207,8 +246,8 @@ def ondemand(sc: Scenario, batch: int) -> StepEstimate:
     s = sc.shape
     u = sc.distinct(batch)
     w = pass_work(sc, batch, 1, u)
-    xfer = s.num_moe_layers * sc.fetch_s(u)
-    nbytes = s.num_moe_layers * u * s.expert_bytes
+    xfer = s.step_moe_layers * sc.fetch_s(u)
+    nbytes = s.step_moe_layers * u * s.expert_bytes
     return _estimate(sc, "ondemand", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer,
                      _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0))
 
@@ -232,11 +271,11 @@ def overlap(sc: Scenario, batch: int, accuracy: float | None = None, policy: str
     missed = (1.0 - recall) * u
     window = pass_work(sc, batch, 1, 0, routed=False).time_s
     experts = w.time_s - window
-    a = window / s.num_moe_layers
+    a = window / s.step_moe_layers
     per_layer = a + max(0.0, sc.fetch_s(u) - sc.hardware.transfer_overlap * a) + sc.fetch_s(missed)
-    step = s.num_moe_layers * per_layer + experts
-    nbytes = s.num_moe_layers * (u + missed) * s.expert_bytes
-    return _estimate(sc, policy, batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(u + missed),
+    step = s.step_moe_layers * per_layer + experts
+    nbytes = s.step_moe_layers * (u + missed) * s.expert_bytes
+    return _estimate(sc, policy, batch, step, 1.0, nbytes, w.time_s, s.step_moe_layers * sc.fetch_s(u + missed),
                      _roofline(sc, nbytes, w), _device_bytes(sc, batch, 1, 0),
                      note=f"recall {recall:.2f}")
 
@@ -268,11 +307,11 @@ def caching(sc: Scenario, batch: int, fraction: float = DEFAULT_CACHE_FRACTION,
     c = cached_per_layer(s.num_experts, fraction)
     u = sc.distinct(batch)
     miss = sc.distinct(batch, 1, exclude_hottest=c)
-    if lru_slots and lru_slots >= s.num_moe_layers * miss:
+    if lru_slots and lru_slots >= s.step_moe_layers * miss:
         miss = max(0.0, sc.distinct(batch, 2, exclude_hottest=c) - miss)
     w = pass_work(sc, batch, 1, u)
-    xfer = s.num_moe_layers * sc.fetch_s(miss)
-    nbytes = s.num_moe_layers * miss * s.expert_bytes
+    xfer = s.step_moe_layers * sc.fetch_s(miss)
+    nbytes = s.step_moe_layers * miss * s.expert_bytes
     hit = 1.0 - miss / u if u else 1.0
     lru = f" + {lru_slots} LRU slots" if lru_slots else ""
     return _estimate(sc, "caching", batch, w.time_s + xfer, 1.0, nbytes, w.time_s, xfer, _roofline(sc, nbytes, w),
@@ -306,13 +345,13 @@ def host(sc: Scenario, batch: int) -> StepEstimate:
     act_bytes = 2 * batch * s.hidden * s.bytes_per_param  # hidden states out, results back
     act_s = 2 * hw.transfer_latency_s + act_bytes / hw.h2d_bw
     w = pass_work(sc, batch, 1, 0, routed=False)
-    step = w.time_s + s.num_moe_layers * (expert_s + act_s)
-    nbytes = s.num_moe_layers * fetched * s.expert_bytes
-    host_bound = s.num_moe_layers * float((p_touch * np.maximum(
+    step = w.time_s + s.step_moe_layers * (expert_s + act_s)
+    nbytes = s.step_moe_layers * fetched * s.expert_bytes
+    host_bound = s.step_moe_layers * float((p_touch * np.maximum(
         flops / hw.host_matmul_flops, s.expert_bytes / hw.host_expert_read_bw) * ~use_dev).sum())
     roof = max(_roofline(sc, nbytes, w), host_bound)
-    return _estimate(sc, "host", batch, step, 1.0, nbytes, w.time_s, s.num_moe_layers * sc.fetch_s(fetched), roof,
-                     _device_bytes(sc, batch, 1, 0, fetched / max(s.num_moe_layers, 1) + 1),
+    return _estimate(sc, "host", batch, step, 1.0, nbytes, w.time_s, s.step_moe_layers * sc.fetch_s(fetched), roof,
+                     _device_bytes(sc, batch, 1, 0, fetched / max(s.step_moe_layers, 1) + 1),
                      note=f"{float((p_touch * ~use_dev).sum()):.1f}/layer on host, {fetched:.1f} fetched")
 
 
@@ -354,7 +393,7 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
     tokens = tokens_per_step(a, gamma)
     if bits:
         draft = pass_work(sc, batch, 1, sc.distinct(batch), quant_bits=bits)
-        copies = s.num_moe_layers * s.num_experts * s.expert_params * bits / 8 * 1.03  # + group scales
+        copies = s.step_moe_layers * s.num_experts * s.expert_params * bits / 8 * 1.03  # + group scales
     else:
         draft = pass_work(sc, batch, 1, min(draft_experts, batch * s.top_k))
         copies = 0.0
@@ -362,14 +401,14 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
     u = sc.distinct(batch, L)
     fetch = sc.distinct(batch, L, exclude_hottest=draft_experts)
     verify = pass_work(sc, batch, L, u)
-    xfer = s.num_moe_layers * sc.fetch_s(fetch)
+    xfer = s.step_moe_layers * sc.fetch_s(fetch)
     compute = gamma * draft.time_s + verify.time_s
     exposed = max(0.0, xfer - sc.hardware.transfer_overlap * verify.time_s)  # transfer not hidden by verify
-    nbytes = s.num_moe_layers * fetch * s.expert_bytes
+    nbytes = s.step_moe_layers * fetch * s.expert_bytes
     roof = max(nbytes / sc.hardware.fetch_bw, gamma * draft.bound_s(sc.hardware) + verify.bound_s(sc.hardware))
     label = f"γ={gamma} N={draft_experts}" + (f" {draft_quant} draft" if bits else "")
     return _estimate(sc, "specmoe", batch, compute + exposed, tokens, nbytes, compute, xfer, roof,
-                     _device_bytes(sc, batch, L, draft_experts * s.num_moe_layers) + copies,
+                     _device_bytes(sc, batch, L, draft_experts * s.step_moe_layers) + copies,
                      gamma=gamma, draft_experts=draft_experts, acceptance=a, draft_quant=draft_quant,
                      note=f"{label} a={a:.2f}; draft {gamma * draft.time_s * 1e3:.3g} ms, "
                           f"verify {verify.time_s * 1e3:.3g} ms + {exposed * 1e3:.3g} ms of {xfer * 1e3:.3g} ms "

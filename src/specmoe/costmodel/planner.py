@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from .cost_model import (
     DEFAULT_CACHE_FRACTION,
     DEFAULT_CONTEXT,
+    DEFAULT_OUTPUT,
     DEFAULT_PREDICTION_ACCURACY,
+    DEFAULT_SOURCE,
     Scenario,
     StepEstimate,
     estimate,
@@ -101,7 +103,8 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
          device_memory: int | None = None, prediction_accuracy: float = DEFAULT_PREDICTION_ACCURACY,
          policies=AUTO_POLICIES, quant_acceptance: dict[str, float] | None = None,
          draft_quants=DRAFT_QUANTS, cache_lru_slots: int = 0,
-         corrections: dict[str, float] | None = None) -> Plan:
+         corrections: dict[str, float] | None = None, source_len: int = DEFAULT_SOURCE,
+         output_len: int = DEFAULT_OUTPUT) -> Plan:
     """The fastest fitting (policy, gamma, N) for this batch, by predicted decode tokens/s.
 
     acceptance: per-token acceptance of the paper's draft, measured (or assumed) with
@@ -111,7 +114,8 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
     unknown = [p for p in policies if p not in AUTO_POLICIES]
     if unknown:
         raise ValueError(f"auto cannot choose policy {unknown[0]!r}: use some of {', '.join(AUTO_POLICIES)}")
-    sc = Scenario(shape, hardware, routing or RoutingModel(), context_len, device_memory, prediction_accuracy)
+    sc = Scenario(shape, hardware, routing or RoutingModel(), context_len, device_memory, prediction_accuracy,
+                  source_len, output_len)
     a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
     every = candidates(sc, batch_size, a, acceptance_draft_experts, cache_fraction, policies, quant_acceptance,
                        draft_quants, cache_lru_slots)

@@ -43,6 +43,7 @@ class ModelShape:
     kv_elements_per_layer: int = 0  # cached per token and layer; 0: K and V of the kv heads
     windowed_layers: int = 0  # layers whose attention sees at most `window` positions
     window: int = 0
+    encoder_layers: int = 0  # an encoder-decoder model: the first layers are the encoder (run once per request)
     note: str = ""  # approximations made for this shape
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class ModelShape:
             raise ValueError(f"model shape {self.name}: dense layers present but dense_intermediate is 0")
         if self.bytes_per_param <= 0 or self.expert_bytes_per_param < 0:
             raise ValueError(f"model shape {self.name}: bytes_per_param must be positive")
+        if not 0 <= self.encoder_layers < self.num_layers:
+            raise ValueError(f"model shape {self.name}: encoder_layers must be in 0..{self.num_layers - 1}")
 
     # ---- parameter counts ----------------------------------------------------------------
     @property
@@ -71,6 +74,23 @@ class ModelShape:
     @property
     def num_dense_layers(self) -> int:
         return self.num_layers - self.num_moe_layers
+
+    # ---- what a decode step runs: every layer, or an encoder-decoder model's decoder ----------
+    @property
+    def step_layers(self) -> int:
+        return self.num_layers - self.encoder_layers
+
+    @property
+    def step_moe_layers(self) -> int:
+        return sum(1 for i in self.moe_layers if i >= self.encoder_layers)
+
+    @property
+    def step_dense_layers(self) -> int:
+        return self.step_layers - self.step_moe_layers
+
+    @property
+    def encoder_moe_layers(self) -> int:
+        return self.num_moe_layers - self.step_moe_layers
 
     @property
     def expert_params(self) -> int:
@@ -101,7 +121,9 @@ class ModelShape:
 
     @property
     def non_expert_params(self) -> int:
-        return (self.num_layers * self.attention_params
+        # an encoder-decoder model's decoder layers also hold a cross-attention (plain MHA)
+        cross = self.step_layers * 4 * self.hidden * self.num_heads * self.head_dim if self.encoder_layers else 0
+        return (self.num_layers * self.attention_params + cross
                 + self.num_dense_layers * self.dense_ffn_params
                 + self.num_moe_layers * (self.shared_expert_params + self.router_params)
                 + self.embedding_params)
@@ -126,32 +148,35 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """What one position costs in the KV cache, all layers (MLA: the latent)."""
+        """What one position costs in the KV cache, all the layers a decode step runs (MLA:
+        the latent); an encoder-decoder model's cross-attention K/V of a source token costs the same."""
         per_layer = self.kv_elements_per_layer or 2 * self.num_kv_heads * self.head_dim
-        return int(self.num_layers * per_layer * self.bytes_per_param)
+        return int(self.step_layers * per_layer * self.bytes_per_param)
 
-    def kv_bytes_per_sequence(self, context: int) -> int:
-        """KV cache of one sequence of `context` positions, windowed layers holding their window only."""
-        per_layer = self.kv_bytes_per_token / self.num_layers
+    def kv_bytes_per_sequence(self, context: int, source: int = 0) -> int:
+        """KV cache of one sequence of `context` positions, windowed layers holding their
+        window only (plus an encoder-decoder model's `source` positions of cross K/V)."""
+        per_layer = self.kv_bytes_per_token / self.step_layers
         windowed = self.windowed_layers * min(context, self.window or context)
-        return int(per_layer * ((self.num_layers - self.windowed_layers) * context + windowed))
+        own = per_layer * ((self.step_layers - self.windowed_layers) * context + windowed)
+        return int(own + (self.kv_bytes_per_token * source if self.encoder_layers else 0))
 
     # ---- FLOPs per token (2 per multiply-add) ------------------------------------------------
     def attention_flops_per_token(self, context: int) -> float:
-        """Projections plus QK^T and PV over `context` cached positions, all layers."""
+        """Projections plus QK^T and PV over `context` cached positions, the layers a decode step runs."""
         per_layer = 2 * self.attention_params + 4 * self.num_heads * self.head_dim * context
-        return float(self.num_layers * per_layer)
+        return float(self.step_layers * per_layer)
 
     def dense_flops_per_token(self) -> float:
         """Everything that is neither attention nor a routed expert: dense FFNs, shared
         experts, routers, LM head."""
-        return float(2 * (self.num_dense_layers * self.dense_ffn_params
-                          + self.num_moe_layers * (self.shared_expert_params + self.router_params)
+        return float(2 * (self.step_dense_layers * self.dense_ffn_params
+                          + self.step_moe_layers * (self.shared_expert_params + self.router_params)
                           + self.hidden * self.vocab))
 
     def expert_flops_per_token(self) -> float:
-        """Routed experts: k experts in each MoE layer."""
-        return float(2 * self.expert_params * self.top_k * self.num_moe_layers)
+        """Routed experts: k experts in each MoE layer a decode step runs."""
+        return float(2 * self.expert_params * self.top_k * self.step_moe_layers)
 
     def flops_per_token(self, context: int) -> float:
         return self.attention_flops_per_token(context) + self.dense_flops_per_token() + self.expert_flops_per_token()
@@ -201,12 +226,14 @@ PRESETS: dict[str, ModelShape] = {
                    expert_intermediate=14336, num_heads=32, num_kv_heads=8, head_dim=128, vocab=32000),
         ModelShape("mixtral-8x22b", num_layers=56, moe_layers=tuple(range(56)), hidden=6144, num_experts=8, top_k=2,
                    expert_intermediate=16384, num_heads=48, num_kv_heads=8, head_dim=128, vocab=32768),
-        ModelShape("nllb-moe-54b", num_layers=24, moe_layers=_every(4, 24), hidden=2048, num_experts=128, top_k=2,
+        ModelShape("nllb-moe-54b", num_layers=48, encoder_layers=24, moe_layers=_every(4, 24) + tuple(
+                   24 + i for i in _every(4, 24)), hidden=2048, num_experts=128, top_k=2,
                    expert_intermediate=8192, dense_intermediate=8192, num_heads=16, num_kv_heads=16, head_dim=128,
                    vocab=256206, expert_matrices=2, tied_embeddings=True,
-                   note="decoder-only approximation: the 24 decoder layers (MoE every 4th: 6 MoE layers, "
-                        "51.5 GB of experts in bf16); decode steps run only the decoder, so the encoder "
-                        "(run once per sequence) and cross-attention over the encoder states are omitted"),
+                   note="encoder-decoder: 24 encoder + 24 decoder layers, MoE every 4th in each (12 blocks, "
+                        "103 GB of experts in bf16); the encoder runs once per request over its source and is "
+                        "amortized over the request's decode steps; decode steps run the decoder, with "
+                        "cross-attention over the source"),
         ModelShape("llama-4-scout", num_layers=48, moe_layers=tuple(range(48)), hidden=5120, num_experts=16, top_k=1,
                    expert_intermediate=8192, shared_expert_intermediate=8192, num_heads=40, num_kv_heads=8,
                    head_dim=128, vocab=202048, windowed_layers=36, window=8192,
@@ -265,7 +292,7 @@ def shape_of(config: ModelConfig, name: str) -> ModelShape:
         vocab=config.vocab_size, bytes_per_param=float(_DTYPE_BYTES[dtype]),
         expert_bytes_per_param=quant.nbytes / config.expert_params if quant else 0.0,
         tied_embeddings=config.tie_word_embeddings, expert_matrices=3 if config.expert.gated else 2,
-        windowed_layers=len(windows), window=max(windows, default=0), **mla,
+        windowed_layers=len(windows), window=max(windows, default=0), encoder_layers=config.encoder_layers, **mla,
     )
 
 

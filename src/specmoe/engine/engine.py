@@ -23,6 +23,7 @@ from ..base.errors import SpecMoEError
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..experts.formats import expert_format
+from ..model.seq2seq import EncoderDecoderTransformer
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
@@ -34,6 +35,7 @@ from .sequence import Sequence
 from .speculative import SpeculativeDecoder
 from .stats import RunCounters
 from .tracing import StepTracer
+from .translation import check_languages, translation_ids
 
 MAX_PREFILL_TOKENS = 4096  # tokens per prefill forward: bounds activation memory
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -93,7 +95,8 @@ class Engine:
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
-        self.model = MoETransformer(self.config, weights, self.device, self.dtype)
+        model_class = EncoderDecoderTransformer if self.config.seq2seq else MoETransformer
+        self.model = model_class(self.config, weights, self.device, self.dtype)
         self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len, rollback=rollback)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.
@@ -158,14 +161,34 @@ class Engine:
             raise SpecMoEError("empty prompt: give at least one character or token id")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams) -> Sequence:
-        ids = self.encode(prompt)
+    def request_ids(self, prompt, src_lang=None, tgt_lang=None) -> tuple[list[int] | None, list[int]]:
+        """(source ids, prompt ids) of a request: an encoder-decoder model reads `prompt` as
+        the source to translate from `src_lang` into `tgt_lang` and starts its decoder with
+        the start and target-language tokens; a decoder-only model has no source."""
+        check_languages(self.config, src_lang, tgt_lang)
+        if not self.config.seq2seq:
+            return None, self.encode(prompt)
+        source, ids = translation_ids(self.config, self.tokenizer, prompt, src_lang, tgt_lang, self.encode)
+        if len(source) > self.max_model_len:
+            raise SpecMoEError(f"source of {len(source)} tokens does not fit the context of "
+                               f"{self.max_model_len} positions: shorten the text")
+        return source, ids
+
+    def add_request(self, prompt, params: SamplingParams, src_lang=None, tgt_lang=None,
+                    source_ids: list[int] | None = None) -> Sequence:
+        """Queue a request (see `request_ids`); given `source_ids` (from `request_ids`),
+        `prompt` is the prompt's ids as that returned them."""
+        if source_ids is None:
+            source_ids, ids = self.request_ids(prompt, src_lang, tgt_lang)
+        else:
+            ids = list(prompt)
+        source = source_ids or []
         if len(ids) >= self.max_model_len:
             raise SpecMoEError(
                 f"prompt of {len(ids)} tokens does not fit the context of {self.max_model_len} positions: "
                 "shorten the prompt" + (" or raise --max-model-len" if self.max_model_len < self.config.max_position_embeddings else "")
             )
-        seq = Sequence(self._next_id, ids, params)
+        seq = Sequence(self._next_id, ids, params, source_ids=source)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq
@@ -210,12 +233,15 @@ class Engine:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         chunks: list[list[Sequence]] = [[]]
+        size = lambda s: len(s.prompt_ids) + len(s.source_ids)  # noqa: E731
         for seq in seqs:
-            if chunks[-1] and sum(len(s.prompt_ids) for s in chunks[-1]) + len(seq.prompt_ids) > MAX_PREFILL_TOKENS:
+            if chunks[-1] and sum(map(size, chunks[-1])) + size(seq) > MAX_PREFILL_TOKENS:
                 chunks.append([])
             chunks[-1].append(seq)
         with self.pass_scope("prefill") as experts:
             for chunk in chunks:
+                if self.config.seq2seq:  # the encoder at admission: its blocks run once for the chunk's sources
+                    self.model.encode([s.slot for s in chunk], [s.source_ids for s in chunk], self.cache, experts)
                 # the LM head runs on every prompt position only for sequences that score their prompt
                 scored = [s.params.prompt_logprobs is not None for s in chunk]
                 logits = self.forward_logits(experts, [s.slot for s in chunk], [s.prompt_ids for s in chunk],

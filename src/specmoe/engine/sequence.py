@@ -35,6 +35,9 @@ class Sequence:
     steps: int = 0  # decode steps it took part in (a speculative step counts once)
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # of those, accepted by verification
+    # an encoder-decoder model: the source the encoder reads (prompt_ids are then the
+    # decoder's start: the start token and the target language's)
+    source_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -37,6 +37,7 @@ class TransferEngine:
     def reset_counters(self) -> None:
         self.transfer_bytes = 0
         self.fetches = 0
+        self.layer_bytes: dict[int, int] = {}  # bytes fetched per block (encoder / decoder split)
         self.wait_s = 0.0
         self.fetched: list[Key] = []  # in issue order, for traces and refresh accounting
 
@@ -54,6 +55,7 @@ class TransferEngine:
         slot, _ = table.place(key)
         table.pin(key)
         self.transfer_bytes += self.pool.expert_bytes
+        self.layer_bytes[key[0]] = self.layer_bytes.get(key[0], 0) + self.pool.expert_bytes
         self.fetches += 1
         self.fetched.append(key)
         # On CUDA the slot may have just been freed by an expert whose kernels are still

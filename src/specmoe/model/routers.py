@@ -85,6 +85,20 @@ def sparsemixer(spec: RouterSpec, logits: torch.Tensor, bias=None) -> Routing:
     return Routing(torch.cat(ids, dim=-1), torch.cat(weights, dim=-1))
 
 
+def top2_all(spec: RouterSpec, logits: torch.Tensor, bias=None) -> Routing:
+    """NLLB-MoE at inference (second-expert policy "all", the evaluation capacity keeping
+    every token, so a token's experts never depend on its batch): the most probable
+    expert, then the best other by logit; both probabilities renormalised over the two,
+    times 1 - moe_token_dropout (`scaling`)."""
+    probs = torch.softmax(logits, dim=-1)
+    first = probs.argmax(dim=-1, keepdim=True)
+    second = logits.scatter(-1, first, float("-inf")).argmax(dim=-1, keepdim=True)
+    ids = torch.cat([first, second], dim=-1)
+    picked = probs.gather(-1, ids)
+    weights = picked / picked.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(picked.dtype).eps)
+    return Routing(ids, weights * spec.scaling)
+
+
 ROUTERS = {
     "softmax_topk": softmax_topk,
     "group_limited_softmax": group_limited_softmax,
@@ -92,6 +106,7 @@ ROUTERS = {
     "topk_softmax": topk_softmax,
     "topk_sigmoid": topk_sigmoid,
     "sparsemixer": sparsemixer,
+    "top2_all": top2_all,
 }
 
 

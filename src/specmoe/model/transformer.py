@@ -19,7 +19,7 @@ from ..base.model_config import ModelConfig
 from .attention import ATTENTION
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
 from .layers import as_float32, norm, swiglu
-from .moe import ExpertBackend, Routing
+from .moe import ExpertBackend, Routing, expert_forward
 from .rope import RotaryTable
 from .routers import route
 from .weights import LayerWeights, ModelWeights
@@ -72,7 +72,7 @@ class MoETransformer:
 
     def mlp(self, i, lw: LayerWeights, x, experts: ExpertBackend) -> torch.Tensor:
         if lw.router is None:
-            return swiglu(x, lw.dense_gate_up, lw.dense_down)
+            return dense_mlp(self.config, lw, x)
         out = experts.run_moe(i, x, route_block(self.config, lw, x))
         if lw.shared_gate_up is not None:  # always on the device: never routed, never fetched
             shared = swiglu(x, lw.shared_gate_up, lw.shared_down)
@@ -80,6 +80,15 @@ class MoETransformer:
                 shared = torch.sigmoid(F.linear(x, lw.shared_expert_gate)) * shared
             out = out + shared
         return out
+
+
+def dense_mlp(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """A layer that is not MoE: SwiGLU, or for families with plain experts (NLLB) fc1 /
+    the experts' activation / fc2 with biases."""
+    if config.expert.gated:
+        return swiglu(x, lw.dense_gate_up, lw.dense_down)
+    return expert_forward(config.expert, x, lambda t: F.linear(t, lw.dense_gate_up),
+                          lambda t: F.linear(t, lw.dense_down), lw.dense_in_bias, lw.dense_out_bias)
 
 
 def route_block(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> Routing:

@@ -14,6 +14,22 @@ Tensor = torch.Tensor | None
 
 
 @dataclass
+class AttentionWeights:
+    """A plain multi-head attention's projections and the LayerNorm before it."""
+
+    norm: torch.Tensor
+    norm_bias: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: Tensor = None
+    k_bias: Tensor = None
+    v_bias: Tensor = None
+    o_bias: Tensor = None
+
+
+@dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
@@ -41,8 +57,11 @@ class LayerWeights:
     shared_gate_up: Tensor = None  # [2S, D]
     shared_down: Tensor = None  # [D, S]
     shared_expert_gate: Tensor = None  # [1, D] (Qwen2-MoE's sigmoid gate)
-    dense_gate_up: Tensor = None  # [2F, D]
+    dense_gate_up: Tensor = None  # [2F, D]; a plain (ReLU) MLP: its fc1 [F, D]
     dense_down: Tensor = None  # [D, F]
+    dense_in_bias: Tensor = None  # [F] (fc1 / fc2 biases, NLLB)
+    dense_out_bias: Tensor = None  # [D]
+    cross: AttentionWeights | None = None  # an encoder-decoder model's decoder layers: attention to the source
 
 
 @dataclass
@@ -55,13 +74,21 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm_bias: Tensor = None
     lm_head_bias: Tensor = None
+    encoder_norm: Tensor = None  # an encoder-decoder model's encoder output LayerNorm
+    encoder_norm_bias: Tensor = None
+    encoder_embed: Tensor = None  # the encoder's token embedding (NLLB: the same `shared` matrix)
 
     def tensors(self):
-        yield from (t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head_bias) if t is not None)
+        yield from (t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head_bias,
+                                self.encoder_norm, self.encoder_norm_bias) if t is not None)
         if self.lm_head is not self.embed:
             yield self.lm_head
+        if self.encoder_embed is not None and self.encoder_embed is not self.embed:
+            yield self.encoder_embed
         for layer in self.layers:
-            yield from (t for t in vars(layer).values() if t is not None)
+            yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+            if layer.cross is not None:
+                yield from (t for t in vars(layer.cross).values() if t is not None)
 
     @property
     def nbytes(self) -> int:
@@ -76,9 +103,17 @@ class ModelWeights:
         embed = loader.get("embed", (V, D))
         head = None if c.tie_word_embeddings else loader.get("lm_head", (V, D), required=False)
         lm_head = embed if head is None else head  # no lm_head in the file: the embedding is the head
+        encoder = c.seq2seq is not None
+        encoder_embed = loader.get("encoder_embed", (V, D)) if encoder else None
+        if encoder and ckpt.find(("model.shared.weight",)) and ckpt.find(("model.encoder.embed_tokens.weight",)) is None \
+                and ckpt.find(("model.decoder.embed_tokens.weight",)) is None:
+            encoder_embed = embed  # one shared matrix in the file: one on the device
         return cls(embed=embed, final_norm=loader.get("final_norm", (D,)), lm_head=lm_head, layers=layers,
                    final_norm_bias=loader.get("final_norm_bias", (D,), required=False),
-                   lm_head_bias=loader.get("lm_head_bias", (V,), required=False))
+                   lm_head_bias=loader.get("lm_head_bias", (V,), required=False),
+                   encoder_norm=loader.get("encoder_norm", (D,)) if encoder else None,
+                   encoder_norm_bias=loader.get("encoder_norm_bias", (D,)) if encoder else None,
+                   encoder_embed=encoder_embed)
 
 
 class _Loader:
@@ -113,10 +148,24 @@ class _Loader:
             self.gqa(lw, i)
         if c.moe_layers[i]:
             self.moe(lw, i)
-        else:
+        elif c.expert.gated:
             lw.dense_gate_up, lw.dense_down = self.pair("dense_gate_proj", "dense_up_proj", "dense_down_proj",
                                                         c.dense_intermediate_size, i)
+        else:
+            F_ = c.dense_intermediate_size
+            lw.dense_gate_up, lw.dense_down = self.get("dense_fc1", (F_, D), i), self.get("dense_fc2", (D, F_), i)
+            lw.dense_in_bias, lw.dense_out_bias = self.get("dense_fc1_bias", (F_,), i), self.get("dense_fc2_bias", (D,), i)
+        if c.seq2seq and i >= c.encoder_layers:
+            lw.cross = self.cross_attention(i)
         return lw
+
+    def cross_attention(self, i: int) -> AttentionWeights:
+        D = self.c.hidden_size
+        return AttentionWeights(
+            norm=self.get("cross_norm", (D,), i), norm_bias=self.get("cross_norm_bias", (D,), i),
+            **{p: self.get(f"cross_{p}", (D, D), i) for p in "qkvo"},
+            **{f"{p}_bias": self.get(f"cross_{p}_bias", (D,), i, required=False) for p in "qkvo"},
+        )
 
     def gqa(self, lw: LayerWeights, i: int) -> None:
         a, D = self.c.attention, self.c.hidden_size

@@ -62,6 +62,11 @@ class Runtime:
     def expert_keys(self) -> list[tuple[int, int]]:
         return [(layer, e) for layer in self.config.moe_layer_ids for e in range(self.config.num_experts)]
 
+    @property
+    def draft_keys(self) -> list[tuple[int, int]]:
+        """The experts of the blocks a draft runs (an encoder-decoder model: the decoder's)."""
+        return [(layer, e) for layer in self.config.draft_layer_ids for e in range(self.config.num_experts)]
+
 
 def reserve_scratch(runtime: Runtime) -> None:
     """A quantized expert is dequantized one matrix at a time where it is computed: room for one."""

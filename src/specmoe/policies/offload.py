@@ -63,7 +63,17 @@ class OffloadPolicy(Policy):
             "offload_read_s": self.store.read_s,
             "host_expert_tokens": counters.host_tokens,
             "activation_bytes": counters.activation_bytes,
+            **self._stack_bytes(),
         }
+
+    def _stack_bytes(self) -> dict:
+        """An encoder-decoder model's transfers split by stack: the encoder's (once per
+        admitted batch) and the decoder's (every step)."""
+        c = self.config
+        if c.seq2seq is None:
+            return {}
+        encoder = sum(n for layer, n in self.transfer.layer_bytes.items() if layer < c.encoder_layers)
+        return {"encoder_transfer_bytes": encoder, "decoder_transfer_bytes": self.transfer.transfer_bytes - encoder}
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         groups = group_by_expert(routing, self.config.num_experts)

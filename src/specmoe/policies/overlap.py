@@ -52,7 +52,8 @@ class OverlapPolicy(OffloadPolicy):
         return super().run_moe(layer, x, routing)
 
     def _next_moe_layer(self, layer: int) -> int | None:
-        later = [i for i in self.config.moe_layer_ids if i > layer]
+        c = self.config  # the next block of the same stack (an encoder's output is no decoder input)
+        later = [i for i in c.moe_layer_ids if i > layer and c.stack_of(i) == c.stack_of(layer)]
         return later[0] if later else None
 
     def stats(self) -> dict:

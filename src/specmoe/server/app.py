@@ -253,11 +253,12 @@ async def generate(served: Served, request: Request, req: GenerateRequest):
     """Tokenize, hand the request to the engine thread, and answer whole or as a stream."""
     engine = served.engine
     try:
-        prompt_ids = await run_in_threadpool(engine.encode, req.prompt)  # a long prompt must not block the loop
+        # a long prompt must not block the loop; an encoder-decoder model's prompt is its source
+        source_ids, prompt_ids = await run_in_threadpool(engine.request_ids, req.prompt, req.src_lang, req.tgt_lang)
     except SpecMoEError as exc:
         raise APIError(400, str(exc), req.prompt_param) from None
     params = req.sampling_params(len(prompt_ids), engine.max_model_len)
-    handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), want_stats=req.specmoe_stats)
+    handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), source_ids, want_stats=req.specmoe_stats)
     served.loop.submit(handle)
     rid = new_id(req.kind)
     if req.stream:

@@ -48,8 +48,10 @@ class RequestHandle:
     """One request as both sides see it. The engine thread writes `seq` and `text`;
     the event loop only reads `queue`."""
 
-    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop, want_stats: bool = False):
+    def __init__(self, prompt_ids: list[int], params, aloop: asyncio.AbstractEventLoop, source_ids=None,
+                 want_stats: bool = False):
         self.prompt_ids = prompt_ids
+        self.source_ids = source_ids  # an encoder-decoder model's framed source
         self.params = params
         self.want_stats = want_stats  # the last delta carries the request's engine statistics
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -227,7 +229,7 @@ class EngineLoop:
 
     def _add(self, handle: RequestHandle) -> None:
         try:
-            seq = self.engine.add_request(handle.prompt_ids, handle.params)
+            seq = self.engine.add_request(handle.prompt_ids, handle.params, source_ids=handle.source_ids)
         except SpecMoEError as exc:  # checked by the handler already; a safety net
             handle.push(Delta(error=APIError(400, str(exc))))
             return

@@ -64,6 +64,8 @@ def completion_request(model_name: str) -> dict:
         "best_of": _of("integer", minimum=1),
         "echo": _of("boolean"),
         "suffix": _of("string"),
+        "src_lang": _of("string", description="an encoder-decoder model: the prompt's language (NLLB code)"),
+        "tgt_lang": _of("string", description="an encoder-decoder model: the language to translate into"),
     }
     return _request(props, "prompt")
 

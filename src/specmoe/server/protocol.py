@@ -42,7 +42,8 @@ _COMMON_FIELDS = {
     "top_k", "ignore_eos",  # extensions (vLLM names)
     "specmoe_stats",  # extension: the answer carries the request's own engine statistics
 }
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix",
+                                      "src_lang", "tgt_lang"}  # extensions: an encoder-decoder model translates
 CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls",
@@ -163,6 +164,8 @@ class GenerateRequest:
     logprobs: int | None = None  # the chosen token's log-probability and this many alternatives; None: off
     echo: bool = False  # completions: the prompt (and, with logprobs, its log-probabilities) comes back first
     specmoe_stats: bool = False  # the answer (the last chunk of a stream) carries `specmoe_stats`
+    src_lang: str | None = None  # an encoder-decoder model: the prompt's language and the one to translate into
+    tgt_lang: str | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -280,8 +283,10 @@ def parse_completion(body: dict, served_model: str) -> GenerateRequest:
     if not prompt:
         raise invalid("'prompt' is empty: give at least one character or token id", "prompt")
     fields = _common(body, "completion", echo=echo)
+    languages = {key: _get(body, key, lambda v: isinstance(v, str), "a language code string such as eng_Latn")
+                 for key in ("src_lang", "tgt_lang")}
     check_model(body, served_model)
-    return GenerateRequest(prompt=prompt, logprobs=logprobs, echo=echo, **fields)
+    return GenerateRequest(prompt=prompt, logprobs=logprobs, echo=echo, **fields, **languages)
 
 
 def parse_chat(body: dict, served_model: str, tokenizer) -> GenerateRequest:

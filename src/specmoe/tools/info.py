@@ -10,7 +10,7 @@ import torch
 
 from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, expert_share
-from ..base.paths import default_model_dir, offload_dir
+from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
@@ -49,7 +49,7 @@ def run_info(args) -> int:
 
 def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
                draft_quant=None) -> dict:
-    ckpt = Checkpoint(Path(model) if model else default_model_dir())
+    ckpt = Checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
@@ -82,6 +82,12 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
+    if c.seq2seq:  # the encoder runs once per request, the decoder every step (and drafts)
+        info.update(
+            encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),
+            encoder_moe_blocks=list(c.encoder_moe_layer_ids), decoder_moe_blocks=list(c.draft_layer_ids),
+            decoder_start_token_id=c.seq2seq.decoder_start_token_id,
+        )
     if draft_quant and draft_quant != "none":
         # relative L2 error of each block's expert outputs with quantized copies (random inputs)
         info["draft_quant_error"] = {
@@ -120,7 +126,9 @@ def _attention_summary(c) -> str:
     windows = [w for w in c.windows if w is not None]
     if windows:
         text += f"; {len(windows)} of {c.num_layers} layers {windows[0].kind} over {windows[0].size} positions"
-    if not all(c.rope_layers):
+    if c.family.positions == "sinusoidal":
+        text += "; sinusoidal positions (no RoPE)"
+    elif not all(c.rope_layers):
         text += f"; {c.rope_layers.count(False)} layers without RoPE"
     return text
 

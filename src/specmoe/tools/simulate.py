@@ -17,7 +17,9 @@ from ..costmodel import cost_model
 from ..costmodel.cost_model import (
     DEFAULT_CACHE_FRACTION,
     DEFAULT_CONTEXT,
+    DEFAULT_OUTPUT,
     DEFAULT_PREDICTION_ACCURACY,
+    DEFAULT_SOURCE,
     Scenario,
     StepEstimate,
 )
@@ -77,6 +79,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--locality", type=float, default=None,
                    help=f"routing temporal locality (default {DEFAULT_LOCALITY})")
     p.add_argument("--context-len", type=int, default=DEFAULT_CONTEXT, help="mean cached positions per sequence")
+    p.add_argument("--source-len", type=int, default=DEFAULT_SOURCE,
+                   help="an encoder-decoder model (nllb-moe-54b): source tokens per request, the encoder's work")
+    p.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT,
+                   help="an encoder-decoder model: tokens decoded per request, over which its encoder pass is spread")
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="device memory budget, e.g. 24GiB or 24G (GiB; GB is decimal) (default: the profile's device memory)")
     p.add_argument("--prediction-accuracy", type=float, default=DEFAULT_PREDICTION_ACCURACY,
@@ -104,12 +110,17 @@ def build(args) -> tuple[dict, list[str], list[dict]]:
     assumptions.append(f"context {args.context_len} cached positions per sequence; overlap predicts "
                        f"{args.prediction_accuracy:.0%} of picks; caching keeps {draft['cache_fraction']:.0%} of "
                        "each block")
-    sc = Scenario(shape, hw, routing, args.context_len, device_memory, args.prediction_accuracy)
+    if shape.encoder_layers:
+        assumptions.append(f"encoder-decoder: {args.source_len} source tokens and {args.output_len} output tokens "
+                           "per request (one encoder pass per admitted batch)")
+    sc = Scenario(shape, hw, routing, args.context_len, device_memory, args.prediction_accuracy, args.source_len,
+                  args.output_len)
     config = {
         "model_shape": shape.name, "hardware": hw.name, "batch_sizes": sizes, "gamma": args.gamma,
         "draft_experts": draft["n"], "draft_quant": args.draft_quant, "acceptance": draft["acceptance"],
         "acceptance_draft_experts": draft["n_ref"], "acceptance_source": draft["source"],
         "skew": routing.skew, "locality": routing.locality, "context_len": args.context_len,
+        "source_len": args.source_len, "output_len": args.output_len,
         "cache_fraction": draft["cache_fraction"], "prediction_accuracy": args.prediction_accuracy,
         "device_memory": sc.memory, "trace": args.trace, "expert_bytes": shape.expert_bytes,
         "expert_bytes_total": shape.expert_bytes_total, "non_expert_bytes": shape.non_expert_bytes,
@@ -197,7 +208,8 @@ def _records_at(sc: Scenario, batch: int, args, draft: dict, device_memory, assu
     try:
         chosen = plan(sc.shape, sc.hardware, batch, draft["acceptance"], acceptance_draft_experts=draft["n_ref"],
                       routing=sc.routing, context_len=args.context_len, cache_fraction=draft["cache_fraction"],
-                      device_memory=device_memory, prediction_accuracy=args.prediction_accuracy)
+                      device_memory=device_memory, prediction_accuracy=args.prediction_accuracy,
+                      source_len=args.source_len, output_len=args.output_len)
         auto = chosen.estimate.to_dict()
         auto.update(policy="auto", chosen_policy=chosen.policy, note=f"-> {chosen.describe()}")
         recs["auto"] = auto

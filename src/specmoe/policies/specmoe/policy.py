@@ -40,7 +40,7 @@ class SpecMoEPolicy(OffloadPolicy):
     def min_slots(cls, config, options) -> int:
         # with quantized copies of every expert the draft needs no full-precision one
         n = options.draft_experts or (0 if options.draft_quant != "none" else 1)
-        return n * len(config.moe_layer_ids) + WORKING_SLOTS
+        return n * len(config.draft_layer_ids) + WORKING_SLOTS
 
     @classmethod
     def min_device_bytes(cls, config, options, expert_bytes: int, device, dtype) -> int:
@@ -50,7 +50,7 @@ class SpecMoEPolicy(OffloadPolicy):
             modes = ("none",)
         else:
             modes = (*draft_modes(config.expert_quant), "none") if options.draft_quant == "auto" else (options.draft_quant,)
-        experts = len(config.moe_layer_ids) * config.num_experts
+        experts = len(config.draft_layer_ids) * config.num_experts
         need = []
         for mode in modes:
             copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
@@ -61,7 +61,7 @@ class SpecMoEPolicy(OffloadPolicy):
     @classmethod
     def default_draft_experts(cls, config, slots: int) -> int:
         """The most experts per block that fit beside the working slots, at most a quarter of a block."""
-        return max(1, min(config.num_experts // 4, (slots - WORKING_SLOTS) // len(config.moe_layer_ids)))
+        return max(1, min(config.num_experts // 4, (slots - WORKING_SLOTS) // len(config.draft_layer_ids)))
 
     def __init__(self, runtime):
         opts, c = runtime.options, runtime.config
@@ -71,7 +71,7 @@ class SpecMoEPolicy(OffloadPolicy):
         super().__init__(replace(runtime, options=replace(opts, draft_quant=self.draft_quant)))  # auto, resolved
         if self.quantized is not None:
             # full-precision draft experts where the budget allows: possibly none
-            fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.moe_layer_ids)
+            fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.draft_layer_ids)
             default = max(0, min(c.num_experts // 4, fits))
         else:
             default = self.default_draft_experts(c, self.pool.num_slots)
@@ -96,13 +96,13 @@ class SpecMoEPolicy(OffloadPolicy):
         for mode in modes:
             if mode in ("none", "auto"):
                 break
-            quantized = quantize_all(runtime.checkpoint, runtime.expert_keys, mode, runtime.dtype, cache, runtime.device)
+            quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, runtime.dtype, cache, runtime.device)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
             if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes:
                 continue  # does not fit beside the working slots: try fewer bits
             runtime.budget.reserve(
                 "quantized draft experts", quantized.nbytes,
-                hint=f" ({mode} copies of all {len(runtime.expert_keys)} experts; a lower-bit --draft-quant needs less)",
+                hint=f" ({mode} copies of all {len(runtime.draft_keys)} experts; a lower-bit --draft-quant needs less)",
             )
             if quantized.scratch_bytes(runtime.dtype):
                 runtime.budget.reserve("quantized draft scratch", quantized.scratch_bytes(runtime.dtype))
@@ -124,7 +124,7 @@ class SpecMoEPolicy(OffloadPolicy):
         s.update(
             draft_set=opts.draft_set, substitution=opts.substitution, draft_compute=opts.draft_compute,
             draft_quant=self.draft_quant,
-            draft_resident_bytes=self.draft_experts * len(self.config.moe_layer_ids) * self.pool.slot_bytes,
+            draft_resident_bytes=self.draft_experts * len(self.config.draft_layer_ids) * self.pool.slot_bytes,
             draft_quantized_bytes=self.quantized_bytes,
             refresh_bytes=self.refresh_fetches * self.pool.expert_bytes,
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
@@ -184,7 +184,7 @@ class SpecMoEPolicy(OffloadPolicy):
         opts, c, n = self.runtime.options, self.config, self.draft_experts
         table = self.pool.table
         new = {}
-        for layer in c.moe_layer_ids:
+        for layer in c.draft_layer_ids:  # an encoder's blocks run once per request: no draft set
             if opts.draft_set == "random" or (self.draft and opts.draft_set == "global-hot"):
                 new[layer] = self.draft.get(layer) or random_draft_set(c.num_experts, n, self.rng)
             else:
