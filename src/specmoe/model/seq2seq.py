@@ -149,7 +149,7 @@ class EncoderDecoderTransformer(MoETransformer):
 
     def source_attention(self, x: torch.Tensor, lw, batch: StepBatch, mask: torch.Tensor) -> torch.Tensor:
         """The encoder's self-attention: every source token sees its whole source."""
-        q, k, v = (self.heads(F.linear(x, w, b)) for w, b in ((lw.q, lw.q_bias), (lw.k, lw.k_bias), (lw.v, lw.v_bias)))
+        q, k, v = (self.heads(t) for t in F.linear(x, lw.qkv, lw.qkv_bias).chunk(3, dim=-1))  # q, k, v rows in one matrix
         out = attend(q, padded(k, batch), padded(v, batch), mask, batch, self.config.attention.scale)
         return F.linear(out.reshape(x.shape[0], -1), lw.o, lw.o_bias)
 
