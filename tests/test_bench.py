@@ -288,3 +288,18 @@ def test_the_quantized_models_section_is_made_from_its_document():
     text = tables.quantized_models({"config": config, "models": models, "records": records})
     assert "| w4a16 | int4 (compressed-tensors; groups of 128) | 49.5 KiB | 34.250 | 3.00 MiB = 1.50x" in text
     assert "| w4a16 | ondemand | 61.2 (×1.23), 1.030 MB |" in text and "| bf16 | ondemand | 50.0 (×1.00), 4.000 MB |" in text
+
+
+def test_the_eval_and_ui_sections_are_made_from_their_documents():
+    from specmoe.bench import tables
+
+    rows = [{"workload": "loglikelihood", "policy": "caching", "batch_size": 16, "requests": 800, "wall_s": 10.0,
+             "requests_per_s": 80.0, "vs_resident": 0.625, "transfer_bytes_per_request": 3 << 19,
+             "generated_tokens": 0, "tokens_per_step": 1.0, "same_as_resident": False}]
+    text = tables.eval_throughput(rows)
+    assert "| loglikelihood | caching | 16 | 800 | 80.00 | 0.62x | 1.50 | NO |" in text
+    ui = {"model": "m", "rounds": 3, "requests": 64, "max_tokens": 64, "concurrency": 16,
+          "closed_tokens_per_s": 100.0, "open_tokens_per_s": 97.5, "open_over_closed": 0.975,
+          "request_open_over_closed": None, "events_per_s_per_viewer": 4.25}
+    text = tables.ui_overhead({"sse": ui})
+    assert "| sse | 3 × 64 requests × 64 tokens, concurrency 16 | 100.0 | 97.5 | 0.975 | – | 4.2 |" in text

@@ -58,6 +58,8 @@ SIMULATIONS = {
     "nllb-skew1.2": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27 --skew 1.2",
     "mixtral": "mixtral-8x7b --batch-sizes 1,16,64,256",
     "scout": "llama-4-scout --batch-sizes 1,16,64,256",
+    "deepseek-v3": "deepseek-v3 --batch-sizes 1,16,64,256",
+    "gpt-oss-120b": "gpt-oss-120b --batch-sizes 1,16,64,256",
 }
 
 
@@ -167,12 +169,42 @@ SECTIONS = (
                  "python benchmarks/soak.py --duration 20 --concurrency 4 --json -- --policy specmoe "
                  "--offload disk --device-memory 30% > {out}/soak.json"),),
             lambda docs: tables.soak(docs["soak.json"])),
+    Section("eval", "Evaluation throughput: an lm-evaluation-harness run's requests",
+            "The requests an lm-eval run sends, through the engine, on the held-out Python docs "
+            "(`benchmarks/eval_tasks.py`): every choice of 200 multiple-choice questions scored as one prefill-only "
+            "request (`max_tokens` 0, prompt log-probabilities), and 50 greedy generations up to a newline; each "
+            "offloading policy with the same budget (30 % of expert bytes) on the disk tier, × resident measured in "
+            "the same run; results = resident's: the same tokens, log-likelihoods within 1e-4.",
+            (Run("eval.json", "python benchmarks/eval_throughput.py --questions 200 --generations 50 --batch-sizes 1,16 "
+                 "--device-memory 30% --offload disk --json {out}/eval.json",
+                 "python benchmarks/eval_throughput.py --questions 4 --generations 2 --batch-sizes 2 "
+                 "--device-memory 30% --offload disk --json {out}/eval.json"),),
+            lambda docs: tables.eval_throughput(docs["eval.json"])),
+    Section("ui", "The web page's cost to the server",
+            "`specmoe serve` (SpecMoE, disk tier, 30 % budget, batches up to 16) under the same concurrent load with "
+            "the page closed and open, alternating round by round: open as one client reading the live view's event "
+            "stream, and as the page itself in headless Chromium on this machine (which also pays for rendering on "
+            "the same 2 cores).",
+            (Run("ui-sse.json", "python benchmarks/ui_overhead.py --rounds 3 --requests 64 --concurrency 16 "
+                 "--max-tokens 64 --json -- --policy specmoe --offload disk --device-memory 30% --max-batch-size 16 "
+                 "> {out}/ui-sse.json",
+                 "python benchmarks/ui_overhead.py --rounds 1 --requests 4 --concurrency 2 --max-tokens 4 --json "
+                 "-- --policy specmoe --offload disk --device-memory 30% > {out}/ui-sse.json"),
+             Run("ui-browser.json", "python benchmarks/ui_overhead.py --browser --rounds 3 --requests 64 "
+                 "--concurrency 16 --max-tokens 64 --json -- --policy specmoe --offload disk --device-memory 30% "
+                 "--max-batch-size 16 > {out}/ui-browser.json",
+                 "python benchmarks/ui_overhead.py --browser --rounds 1 --requests 4 --concurrency 2 --max-tokens 4 "
+                 "--json -- --policy specmoe --offload disk --device-memory 30% > {out}/ui-browser.json")),
+            lambda docs: tables.ui_overhead({"event stream (1 client)": docs["ui-sse.json"],
+                                             "the page in headless Chromium": docs["ui-browser.json"]})),
     Section("projections", "Projections for the paper's models (simulated)",
             "From profiles and shapes that are data (an H100 with PCIe 5, experts in host memory, assumed routing: "
             "Zipf-like hotness, temporal locality 0.2), the paper's draft of N resident experts. NLLB-MoE is "
             "modelled as the encoder-decoder it is (the encoder once per request over a 64-token source, spread "
             "over the request's 64 decoded tokens; decode steps run the decoder with cross-attention) and given "
-            "the paper's 7.27 tokens per step at γ = 10. For comparison, "
+            "the paper's 7.27 tokens per step at γ = 10. DeepSeek-V3 (256 routed experts, 8 per token) and "
+            "GPT-OSS-120B (128, 4 per token) are modelled with bf16 experts, the paper's draft and an assumed "
+            "acceptance of 0.7 (no trace of them exists here). For comparison, "
             "the paper reports (measured, not simulated) 4.30x over on-demand fetching for NLLB-MoE at B = 256 with "
             "76.73 % fewer bytes moved, 2.17x for Mixtral-8x7B and 1.42x for Llama-4-Scout.",
             tuple(Run(f"simulate-{name}.json", SIM + args + f" > {{out}}/simulate-{name}.json",

@@ -137,6 +137,28 @@ def load_tests(docs: dict[str, dict]) -> str:
                       "acceptance"], rows) + "\n"
 
 
+# --- benchmarks/eval_throughput.py and ui_overhead.py ------------------------------------------------
+
+
+def eval_throughput(rows: list[dict]) -> str:
+    """An evaluation's requests through the engine: one row per (workload, policy, B)."""
+    out = [[r["workload"], r["policy"], str(r["batch_size"]), str(r["requests"]), f"{r['requests_per_s']:.2f}",
+            f"{r['vs_resident']:.2f}x", f"{r['transfer_bytes_per_request'] / 2**20:.2f}",
+            "yes" if r["same_as_resident"] else "NO"] for r in rows]
+    return md_table(["workload", "policy", "B", "requests", "requests/s", "× resident", "MiB moved per request",
+                     "results = resident's"], out) + "\n"
+
+
+def ui_overhead(docs: dict[str, dict]) -> str:
+    """The same load with the web page closed and open, one row per kind of viewer."""
+    rows = [[name, f"{d['rounds']} × {d['requests']} requests × {d['max_tokens']} tokens, concurrency "
+             f"{d['concurrency']}", f"{d['closed_tokens_per_s']:.1f}", f"{d['open_tokens_per_s']:.1f}",
+             f"{d['open_over_closed']:.3f}", _f(d.get("request_open_over_closed"), "{:.3f}"),
+             _f(d.get("events_per_s_per_viewer"))] for name, d in docs.items()]
+    return md_table(["viewer", "load", "tok/s closed", "tok/s open", "open / closed", "per-request decode open / closed",
+                     "events/s per viewer"], rows) + "\n"
+
+
 # --- benchmarks/soak.py ------------------------------------------------------------------------------
 
 
