@@ -54,7 +54,6 @@ def main(argv=None) -> int:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if args.smoke:
         env.setdefault("SPECMOE_CACHE_DIR", str(results / "cache"))
-    recorded = json.loads((results / COMMANDS_FILE).read_text()) if (results / COMMANDS_FILE).is_file() else {}
     failed = []
     for section in SECTIONS:
         if only and section.name not in only:
@@ -71,6 +70,8 @@ def main(argv=None) -> int:
             if done.returncode != 0 or not (results / run.output).is_file():
                 failed.append(f"{section.name} (exit {done.returncode}): {command}")
             if (results / run.output).is_file():  # shown beside its figures, even when they report a failure
+                # read again: another run_all may have recorded its sections into the same dir meanwhile
+                recorded = json.loads((results / COMMANDS_FILE).read_text()) if (results / COMMANDS_FILE).is_file() else {}
                 recorded[run.output] = command
                 (results / COMMANDS_FILE).write_text(json.dumps(recorded, indent=1) + "\n")
     measured = write_report(results, markdown)  # every section, so the page keeps its order
