@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,25 @@ import pytest
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+# The files that take longest (Ray clusters, servers started and stopped, a soak, a browser)
+# go first: `make test` runs the suite on two workers, one file to a worker at a time, and a
+# long file started last would leave the other worker idle at the end.
+LONGEST_FIRST = ("test_distributed.py", "test_soak.py", "test_server_lifecycle.py", "test_ui_browser.py",
+                 "test_bench.py", "test_autotune_calibrate.py", "test_faults.py", "test_lm_eval.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
