@@ -75,3 +75,32 @@ def test_an_offloading_run_records_its_speed_and_auto_plans_with_it(tiny_ckpt, t
     for _ in range(3):
         feedback.record(fingerprint, "disk", first, 4, 1e-3)
     assert chosen() != first
+
+
+def test_speeds_are_kept_per_setup_capped_tier_and_draft():
+    """A capped tier, and SpecMoE's drafts and γ, are setups of their own: a slow γ = 1
+    experiment or a capped run must not teach auto how fast the default runs."""
+    capped = feedback.tier_key("disk", 50e6)
+    assert capped == "disk@50000000Bps" and feedback.tier_key("disk") == "disk"
+    feedback.record("m", capped, "ondemand", 16, 10.0)
+    feedback.record("m", "disk", feedback.policy_key("specmoe", "int8", 1), 16, 20.0)
+    feedback.record("m", "disk", feedback.policy_key("specmoe", "none@4", 5), 16, 30.0)
+    assert feedback.measured("m", "disk", "ondemand", 16) is None  # only the capped tier ran it
+    assert feedback.draft_variants("m", "disk") == [("int8", 1), ("none@4", 5)]
+    assert feedback.draft_variants("m", capped) == []
+    assert feedback.measured("m", "disk", "specmoe:int8:5", 16) is None
+
+
+def test_a_speculative_run_records_its_draft_and_gamma(tiny_ckpt, tmp_path):
+    from factories import random_prompts
+
+    from specmoe import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_ckpt("mixtral")), device="cpu", policy="specmoe", gamma=3, draft_quant="int8",
+              offload="disk", offload_dir=str(tmp_path), offload_bandwidth="1GB/s", max_batch_size=4, max_model_len=64)
+    llm.generate(random_prompts(4, min_len=3, max_len=10, seed=3), SamplingParams(max_tokens=32, ignore_eos=True))
+    llm.close()
+    tier = feedback.tier_key("disk", 1e9)
+    assert feedback.draft_variants(llm.engine.checkpoint.fingerprint(), tier) == [("int8", 3)]
+    batch, speed = feedback.measured(llm.engine.checkpoint.fingerprint(), tier, "specmoe:int8:3", 4)
+    assert speed == pytest.approx(llm.last_stats["decode_tokens_per_s"])

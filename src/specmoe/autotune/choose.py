@@ -13,6 +13,7 @@ GammaTuner adapts gamma to measured tokens/s.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -110,21 +111,35 @@ def choose(runtime) -> tuple:
 
 def _corrections(runtime, shape, hardware, kwargs, policies) -> dict[str, float]:
     """Per policy: tokens/s measured here (speeds.py) at the recorded batch size
-    nearest to the planned one, over what the model predicts there now."""
+    nearest to the planned one, over what the model predicts there now for the same
+    setup (SpecMoE: each recorded draft and γ against its own estimate, the median)."""
     opts = runtime.options
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
     acceptance = kwargs.get("acceptance") or DEFAULT_ACCEPTANCE
-    out = {}
-    for policy in policies:
-        seen = speeds.measured(runtime.checkpoint.fingerprint(), opts.offload, policy, opts.max_batch_size)
+    fingerprint, tier = runtime.checkpoint.fingerprint(), speeds.tier_key(opts.offload, opts.offload_bandwidth)
+
+    def ratio(policy: str, key: str, same_setup) -> float | None:
+        seen = speeds.measured(fingerprint, tier, key, opts.max_batch_size)
         if seen is None:
-            continue
+            return None
         batch, speed = seen
         plans = candidates(sc, batch, acceptance, kwargs.get("acceptance_draft_experts", 4), kwargs["cache_fraction"],
                            (policy,), kwargs["quant_acceptance"], kwargs["draft_quants"], kwargs["cache_lru_slots"])
-        predicted = max((c.estimate.decode_tokens_per_s for c in plans), default=0.0)
-        if predicted > 0:
-            out[policy] = speed / predicted
+        predicted = max((c.estimate.decode_tokens_per_s for c in plans if same_setup(c)), default=0.0)
+        return speed / predicted if predicted > 0 else None
+
+    out = {}
+    for policy in policies:
+        if policy == "specmoe":  # each recorded (draft, γ) against the model's estimate of that setup
+            ratios = [ratio(policy, speeds.policy_key(policy, draft, gamma), lambda c, d=draft, g=gamma:
+                            c.gamma == g and history.draft_key(c.draft_quant or "none", c.draft_experts) == d)
+                      for draft, gamma in speeds.draft_variants(fingerprint, tier, policy)]
+            ratios = [r for r in ratios if r is not None]
+            found = statistics.median(ratios) if ratios else None
+        else:
+            found = ratio(policy, policy, lambda c: True)
+        if found is not None:
+            out[policy] = found
     return out
 
 

@@ -16,5 +16,8 @@ def learn_from_run(engine, stats: dict) -> None:
         history.record(fingerprint, key, acceptance, engine.counters.drafted)
     if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4:
         # shorter runs say nothing about speed
-        speeds.record(fingerprint, engine.options.offload, policy.name, stats["batch_size"],
-                      stats["decode_tokens_per_s"])
+        opts = engine.options
+        draft = history.draft_key(policy.draft_quant, policy.draft_experts) if policy.speculative else None
+        speeds.record(fingerprint, speeds.tier_key(opts.offload, opts.offload_bandwidth),
+                      speeds.policy_key(policy.name, draft, opts.gamma if draft else None),
+                      stats["batch_size"], stats["decode_tokens_per_s"])

@@ -9,6 +9,12 @@ its decode tokens/s per (model, tier, policy, batch size) in ``<cache dir>/speed
 measured / predicted at the recorded batch size nearest to the one planned, both taken
 now: speeds are kept, not ratios, so a new calibration does not leave stale corrections
 behind. Nothing recorded: the model alone (a fresh machine).
+
+A speed belongs to the setup that produced it: the tier with its bandwidth cap (a capped
+tier is a slower machine), and for SpecMoE the draft and the γ the run started with (a
+γ = 1 run, or the paper's draft at low acceptance, says nothing about an int8 draft at
+γ = 5). Kept together, they taught `auto` that SpecMoE was slow from experiments that ran
+it slowly on purpose.
 """
 
 from __future__ import annotations
@@ -20,6 +26,28 @@ from ..base.paths import read_json, write_json
 
 FILE = "speeds.json"
 RECENT = 8
+
+
+def tier_key(offload: str, bandwidth: float | None = None) -> str:
+    """The tier as speeds are kept: `disk`, or `disk@50000000Bps` when capped."""
+    return offload if bandwidth is None else f"{offload}@{bandwidth:.0f}Bps"  # no "/": it separates tier and policy
+
+
+def policy_key(policy: str, draft: str | None = None, gamma: int | None = None) -> str:
+    """The policy as speeds are kept: its name, and for SpecMoE `specmoe:<draft>:<γ>`."""
+    return f"{policy}:{draft}:{gamma}" if draft is not None else policy
+
+
+def draft_variants(fingerprint: str, tier: str, policy: str = "specmoe") -> list[tuple[str, int]]:
+    """The (draft, γ) setups of a speculative policy with speeds recorded on this tier."""
+    out = []
+    for key in read_json(FILE, well_formed).get(fingerprint, {}):
+        recorded_tier, _, rest = key.partition("/")
+        name, _, setup = rest.partition(":")
+        draft, _, gamma = setup.rpartition(":")
+        if recorded_tier == tier and name == policy and draft and gamma.isdecimal():
+            out.append((draft, int(gamma)))
+    return sorted(out)
 
 
 def well_formed(data: dict) -> bool:
