@@ -21,20 +21,20 @@ class ResidentPolicy(Policy):
             "experts", runtime.slot_bytes * len(runtime.expert_keys),
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
-        slots = {layer: [self._slot(fmt.read(runtime.checkpoint, layer, e)) for e in range(c.num_experts)]
-                 for layer in c.moe_layer_ids}
-        # float experts: each block's experts stacked in one buffer, run as one grouped
-        # computation; quantized experts: one kernel call per expert on its own slot
+        # each block's slots in one buffer, filled in place (no second copy on the device):
+        # float experts run as one grouped computation over it, quantized experts as one
+        # kernel call per expert on its row
         self.grouped = isinstance(fmt, FloatFormat)
+        self.experts: dict[int, torch.Tensor] = {layer: self._block(layer) for layer in c.moe_layer_ids}
         if self.grouped:
-            self.views = {layer: stacked_views(torch.stack(s), c.expert) for layer, s in slots.items()}
-        else:
-            self.experts: dict[int, list[torch.Tensor]] = slots
+            self.views = {layer: stacked_views(stack, c.expert) for layer, stack in self.experts.items()}
 
-    def _slot(self, stored: torch.Tensor) -> torch.Tensor:
-        slot = torch.empty(self.format.slot_numel, dtype=self.format.slot_dtype, device=self.runtime.device)
-        self.format.prepare(stored, slot)
-        return slot
+    def _block(self, layer: int) -> torch.Tensor:
+        fmt, rt = self.format, self.runtime
+        stack = torch.empty((self.config.num_experts, fmt.slot_numel), dtype=fmt.slot_dtype, device=rt.device)
+        for e in range(self.config.num_experts):
+            fmt.prepare(fmt.read(rt.checkpoint, layer, e), stack[e])
+        return stack
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         c = self.config
