@@ -12,6 +12,7 @@ from specmoe.base.specs import ExpertSpec
 from specmoe.experts.quant import (
     BITS,
     Int4KernelMatrix,
+    Int8KernelMatrix,
     QuantizedMatrix,
     device_layout,
     draft_copy_bytes,
@@ -86,10 +87,29 @@ def test_the_fused_int4_layout_computes_what_the_portable_format_does():
     assert float((k.select(1).linear(x) - ref).norm() / ref.norm()) < 1e-2  # bf16 activations
 
 
+@pytest.mark.parametrize("in_features", [128, 256, 40], ids=["one-group", "two-groups", "whole-row"])
+def test_the_int8_kernel_layout_computes_what_the_portable_format_does(in_features):
+    """Per group along `in` one kernel call, added: the same codes and scales (the scales
+    and activations in bf16), so the same product up to bf16 rounding."""
+    w = torch.randn(3, 48, in_features, generator=torch.Generator().manual_seed(6)) * 0.1
+    q = quantize_matrix(w, 8)
+    k = device_layout(q, torch.device("cpu"))
+    if not isinstance(k, Int8KernelMatrix):
+        pytest.skip("this torch has no CPU int8 matmul")
+    assert k.nbytes == q.nbytes and k.scratch_bytes(torch.float32) == 0
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(7))
+    for e in range(3):
+        ref = q.select(e).linear(x)
+        got = k.select(e).linear(x)
+        assert got.dtype == x.dtype
+        assert float((got - ref).norm() / ref.norm()) < 1e-2  # bf16 activations
+    assert k.select(1).linear(x.bfloat16()).dtype == torch.bfloat16  # a bf16 input stays bf16
+
+
 def test_matrices_the_kernel_cannot_take_keep_the_portable_format():
     q = quantize_matrix(torch.randn(32, 24), 4)  # group 24: not a kernel group size
     assert isinstance(device_layout(q, torch.device("cpu")), QuantizedMatrix)
-    assert isinstance(device_layout(quantize_matrix(torch.randn(32, 64), 8), torch.device("cpu")), QuantizedMatrix)
+    assert isinstance(device_layout(quantize_matrix(torch.randn(32, 64), 8), torch.device("meta")), QuantizedMatrix)
 
 
 @pytest.mark.parametrize("spec", [ExpertSpec(128, 64), ExpertSpec(128, 64, "clamped_swiglu", bias=True, limit=1.0)],

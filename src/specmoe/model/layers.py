@@ -8,9 +8,13 @@ import torch.nn.functional as F
 from ..base.specs import ExpertSpec
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`; t itself when it already is (a conversion call is an operator for nothing)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def as_float32(t: torch.Tensor) -> torch.Tensor:
-    """t in float32; t itself when it already is (a conversion call is an operator for nothing)."""
-    return t if t.dtype == torch.float32 else t.float()
+    return as_dtype(t, torch.float32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

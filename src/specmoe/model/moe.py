@@ -36,12 +36,15 @@ class Routing:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """Tokens grouped by expert: expert `experts[j]` serves `tokens[j]` with `weights[j]`."""
+    """Tokens grouped by expert: the block's picks sorted by expert (stably: an expert's
+    tokens stay in order), expert `experts[j]` serving picks `starts[j]` .. `ends[j] - 1`:
+    token rows `rows[a:b]` with mixing weights `weights[a:b]`."""
 
     experts: list[int]
     counts: list[int]
-    tokens: list[torch.Tensor]  # each [n_j] long: token rows
-    weights: list[torch.Tensor]  # each [n_j] float32
+    rows: torch.Tensor  # [P] long: each pick's token row, P = T * K
+    weights: torch.Tensor  # [P] float32
+    starts: list[int]
     scales_input: bool = False
 
     def count_of(self) -> dict[int, int]:
@@ -50,27 +53,23 @@ class ExpertGroups:
     def inputs(self, x: torch.Tensor, j: int) -> torch.Tensor:
         """What expert `experts[j]` computes on: its tokens' rows of x (scaled by their
         weights where the family weights inputs)."""
-        xs = x[self.tokens[j]]
-        return (xs * self.weights[j][:, None]).to(x.dtype) if self.scales_input else xs
+        a, b = self.starts[j], self.starts[j] + self.counts[j]
+        xs = x[self.rows[a:b]]
+        return (xs * self.weights[a:b, None]).to(x.dtype) if self.scales_input else xs
 
 
 def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
     k = routing.ids.shape[1]
     flat = routing.ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    token_rows = order // k
-    sorted_weights = routing.weights.reshape(-1)[order]
     counts_all = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per block
-    experts, counts, tokens, weights = [], [], [], []
-    start = 0
-    for expert, n in enumerate(counts_all):
-        if n:
-            experts.append(expert)
-            counts.append(n)
-            tokens.append(token_rows[start : start + n])
-            weights.append(sorted_weights[start : start + n])
-            start += n
-    return ExpertGroups(experts, counts, tokens, weights, routing.scales_input)
+    experts = [e for e, n in enumerate(counts_all) if n]
+    counts = [counts_all[e] for e in experts]
+    starts = [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    return ExpertGroups(experts, counts, torch.div(order, k, rounding_mode="floor"), routing.weights.reshape(-1)[order],
+                        starts, routing.scales_input)
 
 
 def dispatch(x: torch.Tensor, groups: ExpertGroups, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -79,12 +78,16 @@ def dispatch(x: torch.Tensor, groups: ExpertGroups, compute: Callable[[int, torc
 
 
 def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) -> torch.Tensor:
-    """Weighted sum of the experts' outputs per token. Added in expert order, whatever
-    order the experts were computed in, as the reference adds them."""
-    out = torch.zeros_like(x)
-    for tokens, weights, y in zip(groups.tokens, groups.weights, outputs):
-        out.index_add_(0, tokens, (y if groups.scales_input else y * weights[:, None]).to(out.dtype))
-    return out
+    """Weighted sum of the experts' outputs per token (`outputs[j]` is expert
+    `experts[j]`'s, whatever order they were computed in). One weighting and one indexed
+    add for the block: each token's outputs are added in expert order, as the reference
+    adds them."""
+    if not outputs:
+        return torch.zeros_like(x)
+    y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    if not groups.scales_input:
+        y = y * groups.weights[:, None]
+    return torch.zeros_like(x).index_add_(0, groups.rows, y if y.dtype == x.dtype else y.to(x.dtype))
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,10 @@ class Drafter:
             routing = routing.with_ids(p.substitute[layer][routing.ids])
         groups = group_by_expert(routing, self.num_experts)
         resident = set(p.draft[layer])
-        outputs = [self._expert(layer, e, groups.inputs(x, j), e in resident) for j, e in enumerate(groups.experts)]
+        dtype = p.quantized.compute_dtype if p.quantized is not None else None
+        xq = x if dtype is None else x.to(dtype)  # the quantized copies' input, converted once per block
+        outputs = [self._expert(layer, e, groups.inputs(x if e in resident else xq, j), e in resident)
+                   for j, e in enumerate(groups.experts)]
         return combine(x, groups, outputs)
 
     def _expert(self, layer: int, e: int, xs: torch.Tensor, resident: bool) -> torch.Tensor:
