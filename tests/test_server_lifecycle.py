@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 from serving import ServeProcess, served_checkpoint  # noqa: E402
 
-GRACE_S = 6
-LONG, SHORT = 200, 10  # tokens: a long request cannot finish within GRACE_S, a short one does
+GRACE_S = 3
+LONG, SHORT = 200, 6  # tokens: a long request cannot finish within GRACE_S, a short one does
 # a slow tier (an emulated 1 MB/s link) makes each step take ~0.15 s on the tiny model
 SLOW = ("--policy", "ondemand", "--offload", "disk", "--offload-bandwidth", "1MB/s", "--device-memory", "30%",
         "--max-batch-size", "16", "--shutdown-timeout", str(GRACE_S))
