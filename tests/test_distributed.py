@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")  # ray.serve (1-2 s to import) only where Serve runs: serve_port
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -149,6 +148,7 @@ SERVED = {**ENGINE, "offload": "host"}
 @pytest.fixture(scope="module")
 def serve_port(cluster):
     """Serve's proxy binds its port once per cluster: every deployment here uses it."""
+    pytest.importorskip("ray.serve")
     yield free_port()
     stop_serving()
 
