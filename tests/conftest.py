@@ -13,11 +13,15 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 
-# The files that take longest (Ray clusters, servers started and stopped, a soak, a browser)
-# go first: `make test` runs the suite on two workers, one file to a worker at a time, and a
-# long file started last would leave the other worker idle at the end.
-LONGEST_FIRST = ("test_distributed.py", "test_soak.py", "test_server_lifecycle.py", "test_ui_browser.py",
-                 "test_bench.py", "test_autotune_calibrate.py", "test_faults.py", "test_lm_eval.py")
+# The files that take longest (Ray clusters, a soak, servers started and stopped, a browser,
+# transformers' parity runs), longest first, as measured with `--durations`: `make test` runs
+# the suite on two workers, one file to a worker at a time, and a long file started last
+# would leave the other worker idle at the end. test_distributed.py alone is about half of
+# one worker's share; the short files fill in around the rest.
+LONGEST_FIRST = ("test_distributed.py", "test_soak.py", "test_parity.py", "test_server_lifecycle.py",
+                 "test_bench.py", "test_ui_browser.py", "test_autotune_calibrate.py", "test_faults.py",
+                 "test_server_fuzz.py", "test_expert_file.py", "test_server.py", "test_speculative.py",
+                 "test_lm_eval.py", "test_translate_demo.py", "test_families.py", "test_quantized_checkpoints.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -26,6 +30,11 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
+    # recent pytest-xdist hands out files with the most tests first (--loadscope-reorder, on
+    # by default), which put the 9-test test_distributed.py after 70 s of short files: keep
+    # the order above.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
         import torch
 

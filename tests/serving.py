@@ -98,9 +98,10 @@ def served_checkpoint(directory: Path) -> Path:
 
 
 class ServeProcess:
-    """`specmoe serve --model DIR FLAGS...` in a subprocess on a free loopback port, ready once constructed."""
+    """`specmoe serve --model DIR FLAGS...` in a subprocess on a free loopback port, ready once
+    constructed (with `wait=False`, once `wait_until_ready()` returns: it starts meanwhile)."""
 
-    def __init__(self, model_dir: Path | None, log_path: Path, *flags: str):
+    def __init__(self, model_dir: Path | None, log_path: Path, *flags: str, wait: bool = True):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -110,8 +111,12 @@ class ServeProcess:
                 [sys.executable, "-m", "specmoe.cli", "serve", *model, "--port", str(port), "--device", "cpu", *flags],
                 stdout=log, stderr=subprocess.STDOUT,
             )
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
         try:
-            wait_until_healthy(self.url, self.proc, log_path, STARTUP_TIMEOUT_S)
+            wait_until_healthy(self.url, self.proc, self.log_path, STARTUP_TIMEOUT_S)
         except AssertionError:
             self.proc.kill()
             raise

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.serve")
+ray = pytest.importorskip("ray")  # ray.serve (1-2 s to import) only where Serve runs: serve_port
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -149,6 +148,7 @@ SERVED = {**ENGINE, "offload": "host"}
 @pytest.fixture(scope="module")
 def serve_port(cluster):
     """Serve's proxy binds its port once per cluster: every deployment here uses it."""
+    pytest.importorskip("ray.serve")
     yield free_port()
     stop_serving()
 
@@ -195,7 +195,7 @@ def wait_for(condition, timeout_s: float = 120, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def replica_actors() -> list[dict]:

@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 from serving import ServeProcess, served_checkpoint  # noqa: E402
 
-GRACE_S = 6
-LONG, SHORT = 200, 10  # tokens: a long request cannot finish within GRACE_S, a short one does
+GRACE_S = 3
+LONG, SHORT = 200, 6  # tokens: a long request cannot finish within GRACE_S, a short one does
 # a slow tier (an emulated 1 MB/s link) makes each step take ~0.15 s on the tiny model
 SLOW = ("--policy", "ondemand", "--offload", "disk", "--offload-bandwidth", "1MB/s", "--device-memory", "30%",
         "--max-batch-size", "16", "--shutdown-timeout", str(GRACE_S))
@@ -78,14 +78,27 @@ def final_event(out: dict) -> dict:
     return json.loads(events[-2])
 
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return served_checkpoint(tmp_path_factory.mktemp("served"))
+def servers(tmp_path_factory):
+    """A fresh server for each signal, both started at once: the second one loads while the
+    first test waits on its slow tier and its drain."""
+    model_dir = served_checkpoint(tmp_path_factory.mktemp("served"))
+    started = {sig: ServeProcess(model_dir, tmp_path_factory.mktemp(sig.name) / "server.log", *SLOW, wait=False)
+               for sig in SIGNALS}
+    yield started
+    for server in started.values():  # a test that failed before its signal leaves its server running
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_drains_the_requests_in_flight_and_exits_0(model_dir, tmp_path, sig):
-    server = ServeProcess(model_dir, tmp_path / "server.log", *SLOW)
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_requests_in_flight_and_exits_0(servers, sig):
+    server = servers[sig]
+    server.wait_until_ready()
     page: dict = {}
     threading.Thread(target=watch_live_view, args=(server.url, page), daemon=True).start()
     long = [start(server.url, LONG, stream) for stream in (True, False, True, False)]

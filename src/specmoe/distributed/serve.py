@@ -132,7 +132,10 @@ def start_serving(model: str | None, options: dict, placement: ReplicaOptions, *
     replica = serve.deployment(
         serve.ingress()(EngineServer), name="engine", num_replicas=placement.replicas, ray_actor_options=resources,
         max_ongoing_requests=options.get("max_batch_size", 32), health_check_period_s=HEALTH_CHECK_S,
-        graceful_shutdown_timeout_s=5, max_constructor_retry_count=1,  # a replica that cannot start fails the run
+        # an idle replica stops at once: it checks for requests still running every 0.2 s (Serve's
+        # default, 2 s, kept every stop and every test's teardown waiting that long)
+        graceful_shutdown_timeout_s=5, graceful_shutdown_wait_loop_s=0.2,
+        max_constructor_retry_count=1,  # a replica that cannot start fails the run
     )
     try:
         serve.run(replica.bind(model, options, name, api_key, board), name=APP_NAME, route_prefix="/",
