@@ -17,15 +17,14 @@ from specmoe.experts.quant import (
     device_layout,
     draft_copy_bytes,
     group_size,
-    load_quantized,
     pack,
     packed_size,
-    quantize_all,
     quantize_expert,
     quantize_matrix,
     quantized_expert_forward,
     unpack,
 )
+from specmoe.experts.quant_cache import load_quantized, quantize_all
 from specmoe.experts.quant_report import quant_error_report
 from specmoe.model.moe import run_expert
 

@@ -12,7 +12,7 @@ from specmoe.autotune.choose import _saved_profile
 from specmoe.base.checkpoint import Checkpoint
 from specmoe.base.paths import cache_dir
 from specmoe.costmodel.hardware import profiles_dir
-from specmoe.experts.quant import cache_path, compute_quantized, load_quantized
+from specmoe.experts.quant_cache import cache_path, compute_quantized, load_quantized
 from specmoe.policies.specmoe.affinity import compute_affinity, load_affinity
 
 FP = "0123456789abcdef"

@@ -9,7 +9,8 @@ import torch
 
 from ..base.checkpoint import Checkpoint
 from ..model.moe import run_expert
-from .quant import BITS, check_mode, draft_copy_bytes, group_size, load_quantized, quantized_expert_forward
+from .quant import BITS, check_mode, draft_copy_bytes, group_size, quantized_expert_forward
+from .quant_cache import load_quantized
 
 
 @torch.no_grad()

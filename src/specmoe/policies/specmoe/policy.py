@@ -22,7 +22,8 @@ import torch
 
 from ...base.paths import offload_dir
 from ...experts.formats import expert_format
-from ...experts.quant import draft_copy_bytes, draft_modes, quantize_all
+from ...experts.quant import draft_copy_bytes, draft_modes
+from ...experts.quant_cache import quantize_all
 from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
