@@ -242,8 +242,6 @@ class Int8KernelMatrix:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         xb, groups = as_dtype(x, torch.bfloat16), self.codes.shape[0]
-        if groups == 1:
-            return as_dtype(torch.ops.aten._weight_int8pack_mm(xb, self.codes[0], self.scales[0]), x.dtype)
         width = self.in_features // groups
         y = torch.ops.aten._weight_int8pack_mm(xb[:, :width], self.codes[0], self.scales[0])
         for g in range(1, groups):
@@ -327,7 +325,7 @@ def quantize_expert(buffer: torch.Tensor, spec: ExpertSpec, bits: int) -> Quanti
 
 def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert, spec: ExpertSpec) -> torch.Tensor:
     """The expert on x [T, D] with its activation, each matrix dequantized to x's dtype once
-    per call (or multiplied by the fused int4 kernel), result in x's dtype."""
+    per call (or multiplied by a fused int4 / int8 kernel), result in x's dtype."""
     b_in, b_out = (None if b is None else as_dtype(b, x.dtype) for b in (qexpert.b_in, qexpert.b_out))
     return expert_forward(spec, x, qexpert.gate_up.linear, qexpert.down.linear, b_in, b_out)
 

@@ -13,13 +13,14 @@ tokens by expert so that each expert runs once per pass over all its tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..base.specs import ExpertSpec
-from .layers import expert_activation
+from .layers import as_dtype, expert_activation
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class Routing:
 @dataclass(frozen=True)
 class ExpertGroups:
     """Tokens grouped by expert: the block's picks sorted by expert (stably: an expert's
-    tokens stay in order), expert `experts[j]` serving picks `starts[j]` .. `ends[j] - 1`:
-    token rows `rows[a:b]` with mixing weights `weights[a:b]`."""
+    tokens stay in order); expert `experts[j]` serves the `counts[j]` picks from
+    `starts[j]` on: token rows `rows[a:b]` with mixing weights `weights[a:b]`."""
 
     experts: list[int]
     counts: list[int]
@@ -65,9 +66,7 @@ def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
     counts_all = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per block
     experts = [e for e, n in enumerate(counts_all) if n]
     counts = [counts_all[e] for e in experts]
-    starts = [0]
-    for n in counts[:-1]:
-        starts.append(starts[-1] + n)
+    starts = list(accumulate(counts[:-1], initial=0))
     return ExpertGroups(experts, counts, torch.div(order, k, rounding_mode="floor"), routing.weights.reshape(-1)[order],
                         starts, routing.scales_input)
 
@@ -87,7 +86,7 @@ def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) 
     y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     if not groups.scales_input:
         y = y * groups.weights[:, None]
-    return torch.zeros_like(x).index_add_(0, groups.rows, y if y.dtype == x.dtype else y.to(x.dtype))
+    return torch.zeros_like(x).index_add_(0, groups.rows, as_dtype(y, x.dtype))
 
 
 @dataclass(frozen=True)
@@ -202,7 +201,7 @@ def grouped_experts(spec: ExpertSpec, x: torch.Tensor, picks: SortedPicks, w: Ex
         y = y + w.b_out[picks.experts].to(y.dtype)
     if not picks.scales_input:
         y = y * picks.weights
-    return torch.zeros_like(x).index_add_(0, picks.rows, y if y.dtype == x.dtype else y.to(x.dtype))
+    return torch.zeros_like(x).index_add_(0, picks.rows, as_dtype(y, x.dtype))
 
 
 class ExpertBackend(Protocol):

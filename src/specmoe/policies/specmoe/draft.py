@@ -15,6 +15,7 @@ from collections import Counter
 
 import torch
 
+from ...model.layers import as_dtype
 from ...model.moe import Routing, combine, group_by_expert
 
 
@@ -38,7 +39,7 @@ class Drafter:
         groups = group_by_expert(routing, self.num_experts)
         resident = set(p.draft[layer])
         dtype = p.quantized.compute_dtype if p.quantized is not None else None
-        xq = x if dtype is None else x.to(dtype)  # the quantized copies' input, converted once per block
+        xq = x if dtype is None else as_dtype(x, dtype)  # the quantized copies' input, converted once per block
         outputs = [self._expert(layer, e, groups.inputs(x if e in resident else xq, j), e in resident)
                    for j, e in enumerate(groups.experts)]
         return combine(x, groups, outputs)
