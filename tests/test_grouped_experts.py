@@ -14,7 +14,6 @@ from specmoe.model.moe import (
     group_by_expert,
     grouped_experts,
     grouped_linear,
-    grouped_linear_loop,
     run_expert,
     sort_picks,
     stacked_views,
@@ -28,17 +27,17 @@ SPECS = {
 }
 
 
-def _block(spec: ExpertSpec, tokens: int, scales_input: bool, seed: int = 0):
+def _block(spec: ExpertSpec, tokens: int, scales_input: bool, seed: int = 0, experts: int = E):
     gen = torch.Generator().manual_seed(seed)
-    buffers = torch.randn(E, spec.numel, generator=gen)
+    buffers = torch.randn(experts, spec.numel, generator=gen)
     x = torch.randn(tokens, D, generator=gen)
-    scores = torch.randn(tokens, E, generator=gen)
+    scores = torch.randn(tokens, experts, generator=gen)
     weights, ids = torch.topk(torch.softmax(scores, -1), K, dim=-1)
     return buffers, x, Routing(ids, weights, scales_input)
 
 
 def _loop(spec, buffers, x, routing):
-    return dispatch(x, group_by_expert(routing, E), lambda e, xs: run_expert(buffers[e], xs, spec))
+    return dispatch(x, group_by_expert(routing, len(buffers)), lambda e, xs: run_expert(buffers[e], xs, spec))
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
@@ -48,6 +47,17 @@ def test_grouped_block_equals_the_loop_over_experts(name, tokens, scales_input):
     spec = SPECS[name]
     buffers, x, routing = _block(spec, tokens, scales_input)
     picks = sort_picks(routing, E)
+    got = grouped_experts(spec, x, picks, stacked_views(buffers, spec), picks.offsets)
+    torch.testing.assert_close(got, _loop(spec, buffers, x, routing), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_block_with_few_picks_runs_only_the_picked_experts_and_gives_the_same_block(name, tokens):
+    # 16 experts, at most 4 picks: the grouped block loops over the picked experts' groups
+    spec = SPECS[name]
+    buffers, x, routing = _block(spec, tokens, False, seed=3, experts=16)
+    picks = sort_picks(routing, 16)
     got = grouped_experts(spec, x, picks, stacked_views(buffers, spec), picks.offsets)
     torch.testing.assert_close(got, _loop(spec, buffers, x, routing), rtol=1e-6, atol=1e-6)
 
@@ -71,7 +81,7 @@ def test_grouped_linear_equals_its_loop_with_empty_groups():
     offsets = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # groups 0 and 2 are empty
     want = torch.cat([x[:3] @ w[1].T, x[3:] @ w[3].T])
     torch.testing.assert_close(grouped_linear(x, w, offsets), want)
-    torch.testing.assert_close(grouped_linear_loop(x, w, offsets), want)
+    torch.testing.assert_close(grouped_linear(x, w, offsets, offsets.tolist()), want)
 
 
 def test_sorted_picks_keep_each_experts_tokens_in_order():

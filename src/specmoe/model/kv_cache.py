@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -29,7 +30,9 @@ class StepBatch:
     """Where the T new tokens of one forward pass go. Built once per step, passed explicitly.
 
     B sequences; sequence b has `counts[b]` new tokens starting at position `starts[b]`
-    in KV slot `slots[b]`. Tokens are laid out sequence after sequence.
+    in KV slot `slots[b]`. Tokens are laid out sequence after sequence. Every layer needs
+    `positions` and `token_slots`; the other tensors only some batches need (uneven ones,
+    windowed layers) are made on first use, once per step.
     """
 
     slots: tuple[int, ...]
@@ -37,12 +40,8 @@ class StepBatch:
     counts: tuple[int, ...]
     positions: torch.Tensor  # [T] position of each new token
     token_slots: torch.Tensor  # [T] KV slot of each new token
-    padded_index: torch.Tensor  # [T] row in the padded [B * max_new] layout attention uses
-    mask: torch.Tensor  # [B, 1, max_new, kv_len] True where a query may attend a key
-    slot_index: torch.Tensor  # [B] slots as a tensor
     kv_len: int
     max_new: int
-    ends: torch.Tensor  # [T] end (start + count) of each token's sequence
     uniform: bool = False  # every sequence has max_new new tokens: tokens are already the padded layout
     attends_all: bool = False  # one new token each at the same position: every query sees every key
     _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
@@ -50,6 +49,10 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
 
     def last_token_rows(self) -> list[int]:
         """Row of each sequence's last new token (whose logits predict the next token)."""
@@ -65,37 +68,53 @@ class StepBatch:
         if not counts or min(counts) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
         max_new = max(counts)
-        kv_len = max(s + n for s, n in zip(starts, counts))
-        positions, token_slots, padded, ends = [], [], [], []
-        for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
+        positions, token_slots = [], []
+        for slot, start, n in zip(slots, starts, counts):
             positions.extend(range(start, start + n))
             token_slots.extend([slot] * n)
-            padded.extend(range(b * max_new, b * max_new + n))
-            ends.extend([start + n] * n)
-        starts_t = torch.tensor(starts, device=device)
-        query_pos = starts_t[:, None] + torch.arange(max_new, device=device)[None, :]  # [B, max_new]
-        key_pos = torch.arange(kv_len, device=device)
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also hides stale entries
         as_long = dict(dtype=torch.long, device=device)
         return cls(
             slots, starts, counts,
             positions=torch.tensor(positions, **as_long),
             token_slots=torch.tensor(token_slots, **as_long),
-            padded_index=torch.tensor(padded, **as_long),
-            mask=mask[:, None, :, :],
-            slot_index=torch.tensor(slots, **as_long),
-            kv_len=kv_len,
+            kv_len=max(s + n for s, n in zip(starts, counts)),
             max_new=max_new,
-            ends=torch.tensor(ends, **as_long),
             uniform=min(counts) == max_new,
             attends_all=max_new == 1 and min(starts) == max(starts),
         )
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, max_new, kv_len] True where a query may attend a key: causal, which also
+        hides stale entries past a sequence's end."""
+        query_pos = self._long(self.starts)[:, None] + torch.arange(self.max_new, device=self.device)[None, :]
+        key_pos = torch.arange(self.kv_len, device=self.device)
+        return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None, :, :]
+
+    @cached_property
+    def padded_index(self) -> torch.Tensor:
+        """[T] each token's row in the padded [B * max_new] layout attention uses."""
+        n = self.max_new
+        return self._long([b * n + i for b, count in enumerate(self.counts) for i in range(count)])
+
+    @cached_property
+    def ends(self) -> torch.Tensor:
+        """[T] end (start + count) of each token's sequence."""
+        return self._long([s + n for s, n in zip(self.starts, self.counts) for _ in range(n)])
+
+    @cached_property
+    def slot_index(self) -> torch.Tensor:
+        """[B] the slots as a tensor."""
+        return self._long(self.slots)
 
     def window_mask(self, window: AttentionWindow) -> torch.Tensor:
         """[B, 1, max_new, W - 1 + max_new] for a windowed layer's keys: the W - 1 positions
         before each sequence's first new token, then its new tokens."""
         if window not in self._window_masks:
-            device, w = self.positions.device, window.size
+            device, w = self.device, window.size
             starts = torch.tensor(self.starts, device=device)[:, None, None]
             counts = torch.tensor(self.counts, device=device)[:, None, None]
             i = torch.arange(self.max_new, device=device)[None, :, None]

@@ -105,12 +105,17 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         steps = positions.to(torch.float32)
-        freqs, scale = torch.outer(steps, self.inv_freq), torch.full_like(steps, self.scale)
+        freqs = torch.outer(steps, self.inv_freq)
         if self.spec.kind == "longrope":
             late = steps >= self.spec.original_max_positions
             freqs = torch.where(late[:, None], torch.outer(steps, self.inv_long), freqs)
-            scale = torch.where(late, self.scale_long, scale)
-        return (freqs.cos() * scale[:, None]).to(dtype), (freqs.sin() * scale[:, None]).to(dtype)
+            scale = torch.where(late, self.scale_long, torch.full_like(steps, self.scale))[:, None]
+        else:
+            scale = self.scale
+        cos, sin = freqs.cos(), freqs.sin()
+        if not isinstance(scale, float) or scale != 1.0:  # times 1.0 changes nothing: skipped
+            cos, sin = cos * scale, sin * scale
+        return cos.to(dtype), sin.to(dtype)
 
     def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
         """The pass's `Rotation` (built once, used by every layer)."""
