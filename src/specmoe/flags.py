@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "
                    "+ 30%% of all expert bytes")
     p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
-    p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (specmoe)")
+    p.add_argument("--gamma", type=int, default=10, help="draft tokens per speculative step (specmoe; default 10)")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")
     p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
     p.add_argument("--substitution", default="affinity", help="affinity | random")

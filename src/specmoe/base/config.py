@@ -45,7 +45,7 @@ class EngineConfig:
     offload_dir: str | None = None  # where the disk tier keeps its expert file
     max_batch_size: int = 32
     max_model_len: int | None = None  # KV positions per sequence; None: the model's, capped at 2048
-    gamma: int = 5
+    gamma: int = 10  # chosen on the training prompts: BENCHMARKS.md, "Choosing gamma"
     draft_experts: int | None = None  # None: chosen from the budget
     draft_set: str = "temporal-hot"
     substitution: str = "affinity"
