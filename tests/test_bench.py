@@ -246,6 +246,17 @@ def test_the_report_rewrites_each_section_from_its_saved_json(saved_results, tmp
     assert page.read_text() == text  # rewriting from the same documents changes nothing
 
 
+def test_sections_without_documents_keep_the_figures_the_page_has(saved_results, tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    sections.write_report(saved_results, page)
+    with_figures = page.read_text()
+    only_grid = tmp_path / "only-grid"  # a later run of one section into a fresh results dir
+    only_grid.mkdir()
+    shutil.copy(saved_results / "grid.json", only_grid / "grid.json")
+    assert sections.write_report(only_grid, page) == ["grid"]
+    assert page.read_text() == with_figures  # machine and projections keep their tables
+
+
 def test_bench_report_is_one_command(saved_results, tmp_path, capsys):
     page = tmp_path / "BENCHMARKS.md"
     code, _, err = run_cli(capsys, "bench", "--report", saved_results, "--markdown", page)

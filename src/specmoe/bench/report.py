@@ -325,6 +325,12 @@ BEGIN = "<!-- specmoe bench: begin {} -->"
 END = "<!-- specmoe bench: end {} -->"
 
 
+def has_section(path: Path, section: str) -> bool:
+    """Whether the file already has this section between its markers."""
+    text = path.read_text() if path.is_file() else ""
+    return BEGIN.format(section) in text and END.format(section) in text
+
+
 def update_markdown(path: Path, section: str, body: str) -> None:
     """Replace this section of the file (between its markers), or append it; other
     sections and hand-written text are kept."""

@@ -300,11 +300,17 @@ def render(section: Section, results: Path) -> str:
 
 
 def write_report(results: Path, markdown: Path) -> list[str]:
-    """Rewrite every section of `markdown` from `results` (a section not in the file yet
-    is appended, in this module's order); returns the sections rewritten with figures."""
+    """Rewrite every section of `markdown` measured in `results` (a section not in the file
+    yet is appended, in this module's order, with a note when it has no figures; one
+    already in the file whose documents are not in `results` keeps what the file has, so
+    re-running a few sections into a fresh results dir loses no other section's figures);
+    returns the sections rewritten with figures."""
     measured = []
     for section in SECTIONS:
+        complete = all((results / run.output).is_file() for run in section.runs)
+        if not complete and report.has_section(markdown, section.name):
+            continue
         report.update_markdown(markdown, section.name, render(section, results))
-        if all((results / run.output).is_file() for run in section.runs):
+        if complete:
             measured.append(section.name)
     return measured
