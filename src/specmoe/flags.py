@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 
+from .base.config import EngineConfig
 from .base.errors import SpecMoEError
 from .engine.sampling import SamplingParams
 
@@ -36,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "
                    "+ 30%% of all expert bytes")
     p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
-    p.add_argument("--gamma", type=int, default=10, help="draft tokens per speculative step (specmoe; default 10)")
+    p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
+                   help=f"draft tokens per speculative step (specmoe; default {EngineConfig.gamma})")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")
     p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
     p.add_argument("--substitution", default="affinity", help="affinity | random")

@@ -58,7 +58,8 @@ def register(subparsers) -> None:
                    "(non-expert + KV + that share of expert bytes, per batch size; default 30%%)")
     p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
     p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
-    p.add_argument("--gamma", type=int, default=5, help="draft tokens per speculative step (default 5)")
+    p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
+                   help=f"draft tokens per speculative step (default {EngineConfig.gamma})")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (default: from the budget)")
     p.add_argument("--draft-quant", help="specmoe's draft: none (the paper's: resident experts + substitutes) | auto | "
                    "int8 | int4 (quantized copies of every expert); default: the engine's")
