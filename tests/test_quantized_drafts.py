@@ -186,7 +186,7 @@ def test_the_copies_bytes_are_known_before_they_are_built(reference, tmp_path, m
     ckpt = Checkpoint(reference[0])
     c = ckpt.config
     keys = [(layer, e) for layer in c.moe_layer_ids for e in range(c.num_experts)]
-    copies = quantize_all(ckpt, keys, mode, torch.float32, tmp_path, torch.device("cpu"))
+    copies = quantize_all(ckpt, keys, mode, tmp_path, torch.device("cpu"))
     copy, scratch = draft_copy_bytes(c.expert, mode, torch.device("cpu"))
     assert (copies.nbytes, copies.scratch_bytes(torch.float32)) == (copy * len(keys), scratch)
 

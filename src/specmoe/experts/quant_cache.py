@@ -57,12 +57,11 @@ def load_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path | None) -> Quant
     return q
 
 
-def quantize_all(ckpt: Checkpoint, keys, mode: str, dtype: torch.dtype, cache_dir: Path | None,
+def quantize_all(ckpt: Checkpoint, keys, mode: str, cache_dir: Path | None,
                  device: torch.device | str = "cpu") -> QuantizedExperts:
     """Quantized copies of the experts `keys` [(layer, e)] (whole blocks are kept stacked:
-    the keys' blocks, all their experts), on `device`. `dtype` is the compute dtype the
-    copies dequantize to; the stored format does not depend on it."""
-    del dtype  # the format is dtype-independent; quantized_expert_forward follows x's dtype
+    the keys' blocks, all their experts), on `device`. The stored format does not depend
+    on the compute dtype: a copy computes in its input's (quantized_expert_forward)."""
     q = load_quantized(ckpt, mode, cache_dir)
     wanted = {layer for layer, _ in keys}
     q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.spec)

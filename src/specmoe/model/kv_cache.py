@@ -115,8 +115,8 @@ class StepBatch:
         before each sequence's first new token, then its new tokens."""
         if window not in self._window_masks:
             device, w = self.device, window.size
-            starts = torch.tensor(self.starts, device=device)[:, None, None]
-            counts = torch.tensor(self.counts, device=device)[:, None, None]
+            starts = self._long(self.starts)[:, None, None]
+            counts = self._long(self.counts)[:, None, None]
             i = torch.arange(self.max_new, device=device)[None, :, None]
             j = torch.arange(w - 1 + self.max_new, device=device)[None, None, :]
             q, k = starts + i, starts - (w - 1) + j

@@ -162,9 +162,10 @@ def sort_picks(routing: Routing, num_experts: int) -> SortedPicks:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
                    ends: list[int] | None = None) -> torch.Tensor:
     """x [P, in] in groups ending at `offsets` [G] -> [P, out]: group g times weight[g]^T
-    ([G, out, in]). One grouped matmul on the CPU (torch >= 2.8); given the ends on the
-    host (`ends`, as offsets.tolist()), or elsewhere, where the fused kernel wants other
-    dtypes and alignments, a loop over the groups that have rows."""
+    ([G, out, in]). One grouped matmul on the CPU (torch >= 2.8). A loop over the groups
+    that have rows instead when the caller passes the offsets on the host (`ends`, as
+    offsets.tolist(): it chose the loop), or off the CPU, where the fused kernel wants
+    other dtypes and alignments."""
     if ends is None and x.device.type == "cpu" and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     ends = offsets.tolist() if ends is None else ends  # one host sync

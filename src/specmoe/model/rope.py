@@ -106,14 +106,13 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         steps = positions.to(torch.float32)
         freqs = torch.outer(steps, self.inv_freq)
+        scale = self.scale  # the attention factor; times 1.0 changes nothing, so it is skipped
         if self.spec.kind == "longrope":
             late = steps >= self.spec.original_max_positions
             freqs = torch.where(late[:, None], torch.outer(steps, self.inv_long), freqs)
             scale = torch.where(late, self.scale_long, torch.full_like(steps, self.scale))[:, None]
-        else:
-            scale = self.scale
         cos, sin = freqs.cos(), freqs.sin()
-        if not isinstance(scale, float) or scale != 1.0:  # times 1.0 changes nothing: skipped
+        if isinstance(scale, torch.Tensor) or scale != 1.0:
             cos, sin = cos * scale, sin * scale
         return cos.to(dtype), sin.to(dtype)
 

@@ -97,7 +97,7 @@ class SpecMoEPolicy(OffloadPolicy):
         for mode in modes:
             if mode in ("none", "auto"):
                 break
-            quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, runtime.dtype, cache, runtime.device)
+            quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, cache, runtime.device)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
             if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes:
                 continue  # does not fit beside the working slots: try fewer bits
