@@ -13,6 +13,8 @@ from specmoe.experts.quant import (
     BITS,
     Int4KernelMatrix,
     Int8KernelMatrix,
+    QuantizedExpert,
+    QuantizedExperts,
     QuantizedMatrix,
     device_layout,
     draft_copy_bytes,
@@ -26,7 +28,7 @@ from specmoe.experts.quant import (
 )
 from specmoe.experts.quant_cache import load_quantized, quantize_all
 from specmoe.experts.quant_report import quant_error_report
-from specmoe.model.moe import run_expert
+from specmoe.model.moe import Routing, group_by_expert, run_expert
 
 MODES = ["int8", "int4", "int3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -49,8 +51,15 @@ def test_int4_packs_two_codes_per_byte():
 
 
 @pytest.mark.parametrize("in_features,group", [(256, 128), (192, 64), (24, 24)])
-def test_group_is_128_or_64_else_the_whole_row(in_features, group):
-    assert group_size(in_features) == group
+@pytest.mark.parametrize("bits", [3, 4])
+def test_packed_modes_group_128_or_64_else_the_whole_row(in_features, group, bits):
+    assert group_size(in_features, bits) == group
+
+
+def test_int8_has_one_group_per_row():
+    assert group_size(256, 8) == 256
+    q = quantize_matrix(torch.randn(4, 16, 256), 8)
+    assert q.group == 256 and q.scales.shape == (4, 16, 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -86,10 +95,10 @@ def test_the_fused_int4_layout_computes_what_the_portable_format_does():
     assert float((k.select(1).linear(x) - ref).norm() / ref.norm()) < 1e-2  # bf16 activations
 
 
-@pytest.mark.parametrize("in_features", [128, 256, 40], ids=["one-group", "two-groups", "whole-row"])
+@pytest.mark.parametrize("in_features", [128, 256, 40])
 def test_the_int8_kernel_layout_computes_what_the_portable_format_does(in_features):
-    """Per group along `in` one kernel call, added: the same codes and scales (the scales
-    and activations in bf16), so the same product up to bf16 rounding."""
+    """One kernel call per matrix: the same codes and row scales (the scales and
+    activations in bf16), so the same product up to bf16 rounding."""
     w = torch.randn(3, 48, in_features, generator=torch.Generator().manual_seed(6)) * 0.1
     q = quantize_matrix(w, 8)
     k = device_layout(q, torch.device("cpu"))
@@ -124,6 +133,41 @@ def test_quantized_expert_forward_is_close_to_the_full_expert(mode, spec):
     assert float((yq - y).norm() / y.norm()) < bound
     on_device = quantized_expert_forward(x, qe.to(torch.device("cpu")), spec)  # fused int4 kernel where it applies
     assert float((on_device - y).norm() / y.norm()) < bound
+
+
+@pytest.mark.parametrize("scales_input", [False, True], ids=["output-weights", "input-weights"])
+@pytest.mark.parametrize("spec", [ExpertSpec(128, 64), ExpertSpec(128, 64, "clamped_swiglu", bias=True, limit=1.0)],
+                         ids=["swiglu", "clamped_swiglu_with_biases"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_blocks_copies_run_together_as_each_runs_alone(mode, spec, scales_input):
+    """The draft's block path (rows gathered once, one activation for all experts) gives
+    each expert exactly what its copy gives alone on its own tokens."""
+    E, T, K = 6, 9, 2
+    gen = torch.Generator().manual_seed(11)
+    bufs = torch.randn(E, spec.numel, generator=gen) * 0.05
+    experts = [quantize_expert(b, spec, BITS[mode]) for b in bufs]
+    stacked = QuantizedExpert(*(_stack([getattr(q, m) for q in experts]) for m in ("gate_up", "down", "b_in", "b_out")))
+    copies = QuantizedExperts(mode, {0: stacked}, spec).to(torch.device("cpu"))
+    x = torch.randn(T, spec.hidden, generator=gen).to(copies.compute_dtype or torch.float32)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(T)])  # expert E - 1: never picked
+    groups = group_by_expert(Routing(ids, torch.rand(T, K, generator=gen), scales_input), E)
+    skip = {groups.experts[1]}
+    outputs = copies.block_outputs(0, x, groups, skip=skip)
+    assert len(outputs) == len(groups.experts)
+    for j, e in enumerate(groups.experts):
+        if e in skip:
+            assert outputs[j] is None
+        else:
+            assert torch.equal(outputs[j], copies.forward(0, e, groups.inputs(x, j)))
+
+
+def _stack(parts):
+    if parts[0] is None:
+        return None
+    if isinstance(parts[0], torch.Tensor):
+        return torch.stack(parts)
+    return QuantizedMatrix(torch.stack([m.data for m in parts]), torch.stack([m.scales for m in parts]), parts[0].bits,
+                           parts[0].in_features)
 
 
 def test_quantized_copies_are_cached_by_checkpoint_and_mode(tiny_ckpt, tmp_path):

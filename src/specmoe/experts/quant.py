@@ -5,10 +5,11 @@ follow the model's own routing with no substitution; verification still runs the
 full-precision experts, so the output stays exactly the full model's.
 
 Format (per matrix W [out, in], `in` the input dimension):
-  per-group symmetric quantization along `in`, group g = 128 or 64 (whichever divides
-  `in`, else the whole row): s = max|W_group| / qmax (stored float16),
+  per-group symmetric quantization along `in`: s = max|W_group| / qmax (stored float16),
   q = clamp(round(W / s), -qmax - 1, qmax), W ~= q * s.
-  int8: q as int8.  int4 / int3: q + 2^(bits-1) as unsigned codes, packed 8 codes into
+  int8: one group per row (as torchao's int8 weight-only: one fused kernel call per
+  matrix, and at 8 bits a finer grid gains little), q as int8.
+  int4 / int3: groups of 128 or 64 (whichever divides `in`, else the whole row), q + 2^(bits-1) as unsigned codes, packed 8 codes into
   `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
 An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in [R, D]
 (gated: gate rows, then up rows) and w_out [D, I]; the biases of families that have them
@@ -34,14 +35,14 @@ import torch.nn.functional as F
 
 from ..base.errors import SpecMoEError
 from ..base.specs import ExpertSpec
-from ..model.layers import as_dtype
-from ..model.moe import expert_forward, expert_views
+from ..model.layers import as_dtype, expert_activation
+from ..model.moe import ExpertGroups, expert_forward, expert_views
 
 QUANT_MODES = ("none", "int8", "int4", "int3")
 BITS = {"int8": 8, "int4": 4, "int3": 3}
-GROUP_SIZES = (128, 64)  # preferred group sizes along the input dimension, first that divides
+GROUP_SIZES = (128, 64)  # preferred group sizes of the packed modes along the input dimension, first that divides
 SCALE_DTYPE = torch.float16
-FORMAT_VERSION = 1  # part of the cache file name: bump when the layout changes
+FORMAT_VERSION = 2  # part of the cache file name: bump when the layout changes (2: int8 per row)
 
 
 def draft_modes(expert_quant) -> tuple[str, ...]:
@@ -56,7 +57,9 @@ def check_mode(mode: str) -> None:
         raise SpecMoEError(f"unknown draft_quant {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
 
 
-def group_size(in_features: int) -> int:
+def group_size(in_features: int, bits: int) -> int:
+    if bits == 8:
+        return in_features
     return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
 
 
@@ -211,27 +214,24 @@ class Int4KernelMatrix:
 
 
 # torch's int8 weight-only matmul on the CPU: x (bf16) times int8 codes with one bf16
-# scale per output row, without a dequantized copy; our groups along `in` are one call
-# each, added. Several times faster than dequantizing a small expert per call.
+# scale per output row (the int8 format's grid), one call, without a dequantized copy.
+# Several times faster than dequantizing a small expert per call.
 def int8_kernel_fits(device: torch.device, bits: int) -> bool:
     return torch.device(device).type == "cpu" and bits == 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 @dataclass(frozen=True)
 class Int8KernelMatrix:
-    """An int8 QuantizedMatrix in the layout of torch's CPU int8 matmul: the same codes
-    and scales (in bfloat16), one [out, group] matrix per group along `in`."""
+    """An int8 QuantizedMatrix in the layout of torch's CPU int8 matmul: the same codes,
+    the row scales in bfloat16."""
 
-    codes: torch.Tensor  # int8 [..., groups, out, group]
-    scales: torch.Tensor  # bfloat16 [..., groups, out]
+    codes: torch.Tensor  # int8 [..., out, in]
+    scales: torch.Tensor  # bfloat16 [..., out]
     in_features: int
 
     @classmethod
     def from_quantized(cls, q: QuantizedMatrix) -> Int8KernelMatrix:
-        groups = q.scales.shape[-1]
-        lead, out = q.data.shape[:-2], q.out_features
-        codes = q.data.reshape(*lead, out, groups, q.in_features // groups).transpose(-3, -2)
-        return cls(codes.contiguous(), q.scales.to(torch.bfloat16).transpose(-1, -2).contiguous(), q.in_features)
+        return cls(q.data.contiguous(), q.scales.to(torch.bfloat16)[..., 0].contiguous(), q.in_features)
 
     @property
     def nbytes(self) -> int:
@@ -241,11 +241,7 @@ class Int8KernelMatrix:
         return Int8KernelMatrix(self.codes[index], self.scales[index], self.in_features)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        xb, groups = as_dtype(x, torch.bfloat16), self.codes.shape[0]
-        width = self.in_features // groups
-        y = torch.ops.aten._weight_int8pack_mm(xb[:, :width], self.codes[0], self.scales[0])
-        for g in range(1, groups):
-            y += torch.ops.aten._weight_int8pack_mm(xb[:, g * width : (g + 1) * width], self.codes[g], self.scales[g])
+        y = torch.ops.aten._weight_int8pack_mm(as_dtype(x, torch.bfloat16), self.codes, self.scales)
         return as_dtype(y, x.dtype)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
@@ -265,7 +261,7 @@ def device_layout(q: QuantizedMatrix, device) -> QuantizedMatrix | Int4KernelMat
 def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     """Symmetric per-group quantization of w [..., out, in] (any float dtype)."""
     in_features = w.shape[-1]
-    g = group_size(in_features)
+    g = group_size(in_features, bits)
     qmax = (1 << (bits - 1)) - 1
     w32 = w.float().reshape(*w.shape[:-1], in_features // g, g)
     amax = w32.abs().amax(-1)
@@ -340,8 +336,9 @@ def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float
     copy = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
     scratch = 0
     for out, in_features in ((spec.in_rows, spec.hidden), (spec.hidden, spec.inter)):
-        groups = in_features // group_size(in_features)
-        if device is not None and int4_kernel_fits(device, bits, out, group_size(in_features)):
+        group = group_size(in_features, bits)
+        groups = in_features // group
+        if device is not None and int4_kernel_fits(device, bits, out, group):
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
         else:
             # int8 kernel: the same codes, the scales in bfloat16 (as many bytes as float16)
@@ -383,6 +380,29 @@ class QuantizedExperts:
 
     def forward(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
         return quantized_expert_forward(x, self.expert(layer, e), self.spec)
+
+    def block_outputs(self, layer: int, x: torch.Tensor, groups: ExpertGroups,
+                      skip: set[int] = frozenset()) -> list[torch.Tensor | None]:
+        """Per group of `groups` its expert's output from the quantized copy (None for
+        experts in `skip`), in x's dtype. The block's rows are gathered once and the
+        activation runs once over every expert's first projection: per expert only its
+        two matrix products (a draft pass runs this in every block)."""
+        outputs: list[torch.Tensor | None] = [None] * len(groups.experts)
+        run = [j for j, e in enumerate(groups.experts) if e not in skip]
+        if not run:
+            return outputs
+        xs = x[groups.rows]
+        if groups.scales_input:
+            xs = (xs * groups.weights[:, None]).to(x.dtype)
+        xs = xs.split(groups.counts)
+        experts = [self.expert(layer, groups.experts[j]) for j in run]
+        h = [q.gate_up.linear(xs[j]) if q.b_in is None else q.gate_up.linear(xs[j]) + as_dtype(q.b_in, x.dtype)
+             for j, q in zip(run, experts)]
+        hidden = expert_activation(self.spec, torch.cat(h) if len(h) > 1 else h[0]).split([groups.counts[j] for j in run])
+        for j, q, a in zip(run, experts, hidden):
+            y = q.down.linear(a)
+            outputs[j] = y if q.b_out is None else y + as_dtype(q.b_out, y.dtype)
+        return outputs
 
     # safetensors: "{layer}.{gate_up|down}.{data|scales}", "{layer}.{b_in|b_out}"
     def state_dict(self) -> dict[str, torch.Tensor]:

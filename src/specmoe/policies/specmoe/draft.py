@@ -29,26 +29,28 @@ class Drafter:
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         p = self.policy
+        picked = group_by_expert(routing, self.num_experts)
         # the draft's own picks predict what verification will need
-        p.predicted.setdefault(layer, Counter()).update(routing.ids.reshape(-1).tolist())
+        p.predicted.setdefault(layer, Counter()).update(picked.count_of())
         if p.runtime.options.draft_compute == "host":
-            groups = group_by_expert(routing, self.num_experts)
-            return p.blocks.run_block(layer, x, groups, on_host=set(groups.experts) - set(p.draft[layer]))
-        if p.quantized is None:
-            routing = routing.with_ids(p.substitute[layer][routing.ids])
-        groups = group_by_expert(routing, self.num_experts)
+            return p.blocks.run_block(layer, x, picked, on_host=set(picked.experts) - set(p.draft[layer]))
         resident = set(p.draft[layer])
-        dtype = p.quantized.compute_dtype if p.quantized is not None else None
-        xq = x if dtype is None else as_dtype(x, dtype)  # the quantized copies' input, converted once per block
-        outputs = [self._expert(layer, e, groups.inputs(x if e in resident else xq, j), e in resident)
-                   for j, e in enumerate(groups.experts)]
-        return combine(x, groups, outputs)
+        if p.quantized is None:
+            groups = group_by_expert(routing.with_ids(p.substitute[layer][routing.ids]), self.num_experts)
+            return combine(x, groups, [self._resident(layer, e, groups.inputs(x, j))
+                                       for j, e in enumerate(groups.experts)])
+        # the quantized copies' input converted once per block; they run together, the
+        # full-precision draft experts one by one
+        outputs = p.quantized.block_outputs(layer, as_dtype(x, p.quantized.compute_dtype or x.dtype), picked,
+                                            skip=resident)
+        for j, e in enumerate(picked.experts):
+            if e in resident:
+                outputs[j] = self._resident(layer, e, picked.inputs(x, j))
+        return combine(x, picked, outputs)
 
-    def _expert(self, layer: int, e: int, xs: torch.Tensor, resident: bool) -> torch.Tensor:
+    def _resident(self, layer: int, e: int, xs: torch.Tensor) -> torch.Tensor:
         p = self.policy
-        if resident:
-            return p.blocks.format.forward(p.pool.slot_tensor((layer, e)), xs)
-        return p.quantized.forward(layer, e, xs)
+        return p.blocks.format.forward(p.pool.slot_tensor((layer, e)), xs)
 
     def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
         pass
