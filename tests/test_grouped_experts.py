@@ -14,6 +14,7 @@ from specmoe.model.moe import (
     group_by_expert,
     grouped_experts,
     grouped_linear,
+    one_token_experts,
     run_expert,
     sort_picks,
     stacked_views,
@@ -60,6 +61,17 @@ def test_a_block_with_few_picks_runs_only_the_picked_experts_and_gives_the_same_
     picks = sort_picks(routing, 16)
     got = grouped_experts(spec, x, picks, stacked_views(buffers, spec), picks.offsets)
     torch.testing.assert_close(got, _loop(spec, buffers, x, routing), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("scales_input", [False, True], ids=["weights-outputs", "weights-inputs"])
+def test_one_token_runs_its_experts_in_turn_and_gives_the_loops_block(name, scales_input):
+    # batch-1 decoding: no sorting or grouping, the outputs added in expert order
+    spec = SPECS[name]
+    for seed in range(4):
+        buffers, x, routing = _block(spec, 1, scales_input, seed=seed, experts=16)
+        got = one_token_experts(spec, x, routing, stacked_views(buffers, spec))
+        assert torch.equal(got, _loop(spec, buffers, x, routing))
 
 
 def test_present_groups_over_the_picked_experts_only_give_the_same_block():

@@ -232,9 +232,15 @@ class KVCache:
         if self.ring[layer] is not None:
             return self._ring_write_and_read(layer, batch, k, v)
         keys, values = self.k[layer], self.v[layer]
-        keys[batch.token_slots, :, batch.positions] = k
-        if values is not None:
-            values[batch.token_slots, :, batch.positions] = v
+        if len(batch.counts) == 1 == batch.max_new:  # one token (batch-1 decoding): a plain write, cheaper
+            slot, position = batch.slots[0], batch.starts[0]
+            keys[slot, :, position] = k[0]
+            if values is not None:
+                values[slot, :, position] = v[0]
+        else:
+            keys[batch.token_slots, :, batch.positions] = k
+            if values is not None:
+                values[batch.token_slots, :, batch.positions] = v
         slots = batch.slots
         if slots == tuple(range(slots[0], slots[0] + len(slots))):  # contiguous: a view, no copy
             index = slice(slots[0], slots[0] + len(slots))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..experts.formats import FloatFormat
-from ..model.moe import Routing, dispatch, group_by_expert, grouped_experts, sort_picks, stacked_views
+from ..model.moe import (Routing, dispatch, group_by_expert, grouped_experts, one_token_experts, sort_picks,
+                         stacked_views)
 from .base import Policy, Runtime, reserve_scratch
 
 
@@ -38,6 +39,8 @@ class ResidentPolicy(Policy):
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         c = self.config
+        if self.grouped and x.shape[0] == 1:
+            return one_token_experts(c.expert, x, routing, self.views[layer])
         if self.grouped:
             picks = sort_picks(routing, c.num_experts)
             return grouped_experts(c.expert, x, picks, self.views[layer], picks.offsets)
