@@ -11,6 +11,7 @@ from specmoe.base.specs import ExpertSpec
 from specmoe.model.moe import (
     Routing,
     dispatch,
+    expert_views,
     group_by_expert,
     grouped_experts,
     grouped_linear,
@@ -70,7 +71,7 @@ def test_one_token_runs_its_experts_in_turn_and_gives_the_loops_block(name, scal
     spec = SPECS[name]
     for seed in range(4):
         buffers, x, routing = _block(spec, 1, scales_input, seed=seed, experts=16)
-        got = one_token_experts(spec, x, routing, stacked_views(buffers, spec))
+        got = one_token_experts(spec, x, routing, [expert_views(b, spec) for b in buffers])
         assert torch.equal(got, _loop(spec, buffers, x, routing))
 
 

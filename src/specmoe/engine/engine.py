@@ -289,7 +289,8 @@ class Engine:
         if self.tracer:
             self.tracer.end(len(slots), batch.num_tokens)
         if rows == "last":
-            hidden = hidden[batch.last_token_rows()]
+            if batch.max_new > 1:  # (with one new token each, every row is a last one)
+                hidden = hidden[batch.last_token_rows()]
         elif rows != "all":
             hidden = hidden[selected_rows(batch.counts, rows)]
         return self.model.logits(hidden)

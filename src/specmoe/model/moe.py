@@ -209,22 +209,23 @@ def grouped_experts(spec: ExpertSpec, x: torch.Tensor, picks: SortedPicks, w: Ex
     return torch.zeros_like(x).index_add_(0, picks.rows, as_dtype(y, x.dtype))
 
 
-def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, w: ExpertViews) -> torch.Tensor:
+def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, experts: list[ExpertViews]) -> torch.Tensor:
     """The routed output [1, D] of a single token x [1, D] (batch-1 decoding): its K
-    experts one after another, with no sorting or grouping. Added in expert order from the
-    first output on, as `grouped_experts` adds them into zeros (0 + a + b == a + b)."""
+    experts (`experts[e]`: expert e's views) one after another, with no sorting or
+    grouping. Added in expert order from the first output on, as `grouped_experts` adds
+    them into zeros (0 + a + b == a + b)."""
     ids = routing.ids[0].tolist()  # one host sync
     weights = routing.weights.unbind(1)  # K tensors [1]
     out = None
     for k in sorted(range(len(ids)), key=ids.__getitem__):
-        e = ids[k]
+        w = experts[ids[k]]
         xs = (x * weights[k]).to(x.dtype) if routing.scales_input else x
-        h = F.linear(xs, w.w_in[e])
-        if w.b_in is not None:
-            h = h + w.b_in[e].to(h.dtype)
-        y = F.linear(expert_activation(spec, h), w.w_out[e])
+        h = F.linear(xs, w.w_in)
+        if w.b_in is not None:  # added after the product, as the grouped block adds it
+            h = h + as_dtype(w.b_in, h.dtype)
+        y = F.linear(expert_activation(spec, h), w.w_out)
         if w.b_out is not None:
-            y = y + w.b_out[e].to(y.dtype)
+            y = y + as_dtype(w.b_out, y.dtype)
         y = as_dtype(y if routing.scales_input else y * weights[k], x.dtype)
         out = y if out is None else out + y
     return out

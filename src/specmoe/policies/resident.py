@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..experts.formats import FloatFormat
-from ..model.moe import (Routing, dispatch, group_by_expert, grouped_experts, one_token_experts, sort_picks,
-                         stacked_views)
+from ..model.moe import (Routing, dispatch, expert_views, group_by_expert, grouped_experts, one_token_experts,
+                         sort_picks, stacked_views)
 from .base import Policy, Runtime, reserve_scratch
 
 
@@ -29,6 +29,8 @@ class ResidentPolicy(Policy):
         self.experts: dict[int, torch.Tensor] = {layer: self._block(layer) for layer in c.moe_layer_ids}
         if self.grouped:
             self.views = {layer: stacked_views(stack, c.expert) for layer, stack in self.experts.items()}
+            self.expert_views = {layer: [expert_views(buffer, c.expert) for buffer in stack]
+                                 for layer, stack in self.experts.items()}  # batch 1: one expert at a time
 
     def _block(self, layer: int) -> torch.Tensor:
         fmt, rt = self.format, self.runtime
@@ -40,7 +42,7 @@ class ResidentPolicy(Policy):
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         c = self.config
         if self.grouped and x.shape[0] == 1:
-            return one_token_experts(c.expert, x, routing, self.views[layer])
+            return one_token_experts(c.expert, x, routing, self.expert_views[layer])
         if self.grouped:
             picks = sort_picks(routing, c.num_experts)
             return grouped_experts(c.expert, x, picks, self.views[layer], picks.offsets)
