@@ -102,10 +102,7 @@ class ModelWeights:
         layers = [loader.layer(i) for i in range(c.num_layers)]
         embed = loader.get("embed", (V, D))
         head = None if c.tie_word_embeddings else loader.get("lm_head", (V, D), required=False)
-        # no lm_head in the file: the embedding is the head. An own head is stored column-major
-        # (a [V, D] view of [D, V] memory): the matmul then walks the vocabulary contiguously,
-        # about twice as fast at batch 1 on the CPU and never slower (float32, V >> D).
-        lm_head = embed if head is None else head.t().contiguous().t()
+        lm_head = embed if head is None else column_major(head)  # no lm_head in the file: the embedding is the head
         encoder = c.seq2seq is not None
         encoder_embed = loader.get("encoder_embed", (V, D)) if encoder else None
         if encoder and ckpt.find(("model.shared.weight",)) and ckpt.find(("model.encoder.embed_tokens.weight",)) is None \
@@ -117,6 +114,15 @@ class ModelWeights:
                    encoder_norm=loader.get("encoder_norm", (D,)) if encoder else None,
                    encoder_norm_bias=loader.get("encoder_norm_bias", (D,)) if encoder else None,
                    encoder_embed=encoder_embed)
+
+
+def column_major(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] as a view of [in, out] memory, for F.linear: the CPU's matmul then walks
+    the outputs contiguously. Measured on this project's shapes (float32, one thread): a
+    4096 x 256 LM head 2x faster at one row, attention's 512 x 256 projection 1.3x at 1
+    to 16 rows and 1.1x at 176, never slower; the products differ from row-major ones
+    only in rounding."""
+    return w.t().contiguous().t()
 
 
 class _Loader:
@@ -140,7 +146,7 @@ class _Loader:
         c, D = self.c, self.c.hidden_size
         lw = LayerWeights(
             attn_norm=self.get("attn_norm", (D,), i), mlp_norm=self.get("mlp_norm", (D,), i),
-            o=self.get("o", (D, c.num_heads * c.attention.v_head_dim), i),
+            o=column_major(self.get("o", (D, c.num_heads * c.attention.v_head_dim), i)),
             o_bias=self.get("o_bias", (D,), i, required=False),
         )
         if c.family.norm == "layer":
@@ -173,7 +179,8 @@ class _Loader:
     def gqa(self, lw: LayerWeights, i: int) -> None:
         a, D = self.c.attention, self.c.hidden_size
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        lw.qkv = torch.cat([self.get(role, (n, D), i) for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))])
+        lw.qkv = column_major(torch.cat([self.get(role, (n, D), i)
+                                         for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]))
         biases = [self.get(role + "_bias", (n,), i, required=False)
                   for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
         if any(b is not None for b in biases):  # a missing one adds zeros: x.w + 0 is x.w exactly
