@@ -60,17 +60,18 @@ class BlockExecutor:
             table.pin(keys[j])
         queue = list(missing)
         self.issue(keys, queue)
+        inputs = groups.split_inputs(x)
         outputs: list[torch.Tensor | None] = [None] * len(keys)
         for j in present:
             self.transfer.wait(keys[j])  # a prefetch may still be on its way
-            outputs[j] = self.compute(keys[j], groups.inputs(x, j))
+            outputs[j] = self.compute(keys[j], inputs[j])
             self.issue(keys, queue)
         for j in host:
-            outputs[j] = self.run_on_host(keys[j], groups.inputs(x, j))
+            outputs[j] = self.run_on_host(keys[j], inputs[j])
         for j in missing:
             self.transfer.ensure(keys[j])  # issued above when a slot was free, else now
             table.pin(keys[j])
-            outputs[j] = self.compute(keys[j], groups.inputs(x, j))
+            outputs[j] = self.compute(keys[j], inputs[j])
             self.issue(keys, queue)
         return combine(x, groups, outputs)
 

@@ -391,10 +391,7 @@ class QuantizedExperts:
         run = [j for j, e in enumerate(groups.experts) if e not in skip]
         if not run:
             return outputs
-        xs = x[groups.rows]
-        if groups.scales_input:
-            xs = (xs * groups.weights[:, None]).to(x.dtype)
-        xs = xs.split(groups.counts)
+        xs = groups.split_inputs(x)
         experts = [self.expert(layer, groups.experts[j]) for j in run]
         h = [q.gate_up.linear(xs[j]) if q.b_in is None else q.gate_up.linear(xs[j]) + as_dtype(q.b_in, x.dtype)
              for j, q in zip(run, experts)]

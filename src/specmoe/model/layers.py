@@ -21,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     # Normalise in float32 whatever the activation dtype, as the reference does. In float32
     # torch's own rms_norm computes exactly these products, in one call instead of six.
     if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        return torch.rms_norm(x, x.shape[-1:], weight, eps)
     x32 = as_float32(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if x.dtype != torch.float32:

@@ -58,6 +58,13 @@ class ExpertGroups:
         xs = x[self.rows[a:b]]
         return (xs * self.weights[a:b, None]).to(x.dtype) if self.scales_input else xs
 
+    def split_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`inputs(x, j)` of every j at once: one gather for the block, then views."""
+        xs = x[self.rows]
+        if self.scales_input:
+            xs = (xs * self.weights[:, None]).to(x.dtype)
+        return xs.split(self.counts)
+
 
 def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
     k = routing.ids.shape[1]
@@ -73,7 +80,7 @@ def group_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
 
 def dispatch(x: torch.Tensor, groups: ExpertGroups, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum over each token's experts of weight * expert(x); `compute(e, x_e)` runs expert e."""
-    return combine(x, groups, [compute(e, groups.inputs(x, j)) for j, e in enumerate(groups.experts)])
+    return combine(x, groups, [compute(e, xs) for e, xs in zip(groups.experts, groups.split_inputs(x))])
 
 
 def combine(x: torch.Tensor, groups: ExpertGroups, outputs: list[torch.Tensor]) -> torch.Tensor:

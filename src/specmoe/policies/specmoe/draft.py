@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 
 from ...model.layers import as_dtype
-from ...model.moe import Routing, combine, group_by_expert
+from ...model.moe import Routing, combine, dispatch, group_by_expert
 
 
 class Drafter:
@@ -37,8 +37,7 @@ class Drafter:
         resident = set(p.draft[layer])
         if p.quantized is None:
             groups = group_by_expert(routing.with_ids(p.substitute[layer][routing.ids]), self.num_experts)
-            return combine(x, groups, [self._resident(layer, e, groups.inputs(x, j))
-                                       for j, e in enumerate(groups.experts)])
+            return dispatch(x, groups, lambda e, xs: self._resident(layer, e, xs))
         # the quantized copies' input converted once per block; they run together, the
         # full-precision draft experts one by one
         outputs = p.quantized.block_outputs(layer, as_dtype(x, p.quantized.compute_dtype or x.dtype), picked,
