@@ -9,7 +9,8 @@ Format (per matrix W [out, in], `in` the input dimension):
   q = clamp(round(W / s), -qmax - 1, qmax), W ~= q * s.
   int8: one group per row (as torchao's int8 weight-only: one fused kernel call per
   matrix, and at 8 bits a finer grid gains little), q as int8.
-  int4 / int3: groups of 128 or 64 (whichever divides `in`, else the whole row), q + 2^(bits-1) as unsigned codes, packed 8 codes into
+  int4 / int3: groups of 128 or 64 (whichever divides `in`, else the whole row),
+  q + 2^(bits-1) as unsigned codes, packed 8 codes into
   `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
 An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in [R, D]
 (gated: gate rows, then up rows) and w_out [D, I]; the biases of families that have them
@@ -395,7 +396,8 @@ class QuantizedExperts:
         experts = [self.expert(layer, groups.experts[j]) for j in run]
         h = [q.gate_up.linear(xs[j]) if q.b_in is None else q.gate_up.linear(xs[j]) + as_dtype(q.b_in, x.dtype)
              for j, q in zip(run, experts)]
-        hidden = expert_activation(self.spec, torch.cat(h) if len(h) > 1 else h[0]).split([groups.counts[j] for j in run])
+        hidden = expert_activation(self.spec, torch.cat(h) if len(h) > 1 else h[0])
+        hidden = hidden.split([groups.counts[j] for j in run])
         for j, q, a in zip(run, experts, hidden):
             y = q.down.linear(a)
             outputs[j] = y if q.b_out is None else y + as_dtype(q.b_out, y.dtype)

@@ -102,7 +102,7 @@ class ModelWeights:
         layers = [loader.layer(i) for i in range(c.num_layers)]
         embed = loader.get("embed", (V, D))
         head = None if c.tie_word_embeddings else loader.get("lm_head", (V, D), required=False)
-        lm_head = embed if head is None else column_major(head)  # no lm_head in the file: the embedding is the head
+        lm_head = embed if head is None else column_major(head)  # none in the file: the embedding is the head
         encoder = c.seq2seq is not None
         encoder_embed = loader.get("encoder_embed", (V, D)) if encoder else None
         if encoder and ckpt.find(("model.shared.weight",)) and ckpt.find(("model.encoder.embed_tokens.weight",)) is None \
