@@ -379,9 +379,6 @@ class QuantizedExperts:
     def to(self, device) -> QuantizedExperts:
         return QuantizedExperts(self.mode, {l: q.to(device) for l, q in self.layers.items()}, self.spec)
 
-    def forward(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
-        return quantized_expert_forward(x, self.expert(layer, e), self.spec)
-
     def block_outputs(self, layer: int, x: torch.Tensor, groups: ExpertGroups,
                       skip: set[int] = frozenset()) -> list[torch.Tensor | None]:
         """Per group of `groups` its expert's output from the quantized copy (None for

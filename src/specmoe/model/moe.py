@@ -227,12 +227,7 @@ def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, exper
     for k in sorted(range(len(ids)), key=ids.__getitem__):
         w = experts[ids[k]]
         xs = (x * weights[k]).to(x.dtype) if routing.scales_input else x
-        h = F.linear(xs, w.w_in)
-        if w.b_in is not None:  # added after the product, as the grouped block adds it
-            h = h + as_dtype(w.b_in, h.dtype)
-        y = F.linear(expert_activation(spec, h), w.w_out)
-        if w.b_out is not None:
-            y = y + as_dtype(w.b_out, y.dtype)
+        y = expert_forward(spec, xs, lambda t: F.linear(t, w.w_in), lambda t: F.linear(t, w.w_out), w.b_in, w.b_out)
         y = as_dtype(y if routing.scales_input else y * weights[k], x.dtype)
         out = y if out is None else out + y
     return out
