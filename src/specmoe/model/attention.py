@@ -19,14 +19,17 @@ LATENT_NORM_EPS = 1e-6  # DeepSeek's q/kv latent RMSNorms use their default eps,
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, batch: StepBatch,
-           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float, sinks: torch.Tensor | None = None, by_length: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale) v per sequence: q [T, H, d], keys [B, G, L, d], values
     [B, G, L, dv], mask [B, 1, n, L] (None: every query sees every key) -> [T, H, dv].
 
     Grouped-query attention: query head j reads kv head j // r. The r query heads of a kv
-    head become r x n query rows of that head, so K and V are read where they are (copying
-    them r times would cost more than the attention at large batches). When every
-    sequence has the same number of new tokens the tokens already are the padded layout."""
+    head become n x r query rows of that head, token by token, so K and V are read where
+    they are (copying them r times would cost more than the attention at large batches).
+    When every sequence has the same number of new tokens the tokens already are the
+    padded layout. `by_length` (keys indexed by position): sequences of very different
+    lengths attend in runs, each over its own longest length and most new tokens, instead
+    of all over the batch's (StepBatch.key_runs)."""
     T, H, d = q.shape
     B, G, n = len(batch.slots), keys.shape[1], batch.max_new
     r = H // G
@@ -34,22 +37,37 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         q_pad = q.new_zeros(B * n, H, d)
         q_pad[batch.padded_index] = q
         q = q_pad
-    if n == 1:  # decode and draft: the r query rows of a kv head are its r heads, already in place
-        q_grouped = q.view(B, G, r, d)
-    else:
-        q_grouped = q.view(B, n, G, r, d).permute(0, 2, 3, 1, 4).reshape(B, G, r * n, d)
-    if mask is not None and r > 1 and n > 1:  # one query row per (head, token); with n = 1 the mask broadcasts
-        mask = mask.repeat(1, 1, r, 1)  # [B, 1, r * n, L]
-    if sinks is not None:
-        if mask is None:
-            mask = torch.ones(B, 1, 1, keys.shape[2], dtype=torch.bool, device=keys.device)
-        keys, values, mask = _with_sink(keys, values, mask.expand(B, 1, r * n, keys.shape[2]), sinks.view(G, r), n)
-    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=mask, scale=scale)
+    q_grouped = q.view(B, n, G, r, d).transpose(1, 2).reshape(B, G, n * r, d)  # (with n = 1, a view)
+    if mask is not None and r > 1 and n > 1:  # one query row per (token, head); with n = 1 the mask broadcasts
+        mask = mask.repeat_interleave(r, dim=2)  # [B, 1, n * r, L]
+    sinks = None if sinks is None else sinks.view(G, r)
+    runs = batch.key_runs(r) if by_length else [(0, B, keys.shape[2], n)]
+    if len(runs) == 1 and runs[0][3] == n:
+        _, _, length, _ = runs[0]
+        out = _attend_rows(q_grouped, keys[:, :, :length], values[:, :, :length],
+                           None if mask is None else mask[..., :length], scale, sinks, n)
+    else:  # rows past a run's tokens are padding, dropped below
+        out = q.new_empty(B, G, n * r, values.shape[-1])
+        for first, end, length, tokens in runs:
+            rows = tokens * r
+            out[first:end, :, :rows] = _attend_rows(
+                q_grouped[first:end, :, :rows], keys[first:end, :, :length], values[first:end, :, :length],
+                None if mask is None else mask[first:end, :, :rows, :length], scale, sinks, tokens)
     dv = out.shape[-1]
     if n == 1:
         return out.reshape(B, H, dv)
-    out = out.view(B, G, r, n, dv).permute(0, 3, 1, 2, 4).reshape(B * n, H, dv)
+    out = out.view(B, G, n, r, dv).transpose(1, 2).reshape(B * n, H, dv)
     return out if batch.uniform else out[batch.padded_index]
+
+
+def _attend_rows(q, keys, values, mask, scale, sinks, n):
+    """One attention call over sequences side by side: q [b, G, rows, d], keys [b, G, L, d]."""
+    if sinks is not None:
+        b, rows, L = keys.shape[0], q.shape[2], keys.shape[2]
+        if mask is None:
+            mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=keys.device)
+        keys, values, mask = _with_sink(keys, values, mask.expand(b, 1, rows, L), sinks, n)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 def _with_sink(keys, values, mask, sinks, n):
@@ -61,7 +79,7 @@ def _with_sink(keys, values, mask, sinks, n):
     values = torch.cat([values, values.new_zeros(B, G, 1, values.shape[-1])], dim=2)
     bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device).masked_fill(~mask, float("-inf"))
     rows = mask.shape[2]
-    sink = sinks.to(keys.dtype)[:, :, None].expand(G, sinks.shape[1], n).reshape(1, G, rows, 1).expand(B, G, rows, 1)
+    sink = sinks.to(keys.dtype)[:, None, :].expand(G, n, sinks.shape[1]).reshape(1, G, rows, 1).expand(B, G, rows, 1)
     return keys, values, torch.cat([bias.expand(B, G, rows, L), sink], dim=-1)
 
 
@@ -93,7 +111,7 @@ def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
         scales = torch.log1p(torch.floor((batch.positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         q = (q * scales[:, None, None]).to(q.dtype)
     keys, values, mask = cache.write_and_read(i, batch, k, v)
-    out = attend(q, keys, values, mask, batch, a.scale, lw.sinks)
+    out = attend(q, keys, values, mask, batch, a.scale, lw.sinks, by_length=not cache.is_windowed(i))
     return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
 
 
@@ -118,7 +136,7 @@ def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     w_kv = lw.kv_b.view(H, dn + a.v_head_dim, lat)
     query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kv[:, :dn]), q_rot], dim=-1)  # [T, H, c + dr]
     keys, _, mask = cache.write_and_read(i, batch, torch.cat([latent[:, None, :], k_rot], dim=-1), None)
-    out = attend(query, keys, keys[..., :lat], mask, batch, a.scale)  # [T, H, c]
+    out = attend(query, keys, keys[..., :lat], mask, batch, a.scale, by_length=not cache.is_windowed(i))  # [T, H, c]
     out = torch.einsum("thc,hvc->thv", out, w_kv[:, dn:])  # [T, H, dv]
     return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
 

@@ -45,6 +45,7 @@ class StepBatch:
     uniform: bool = False  # every sequence has max_new new tokens: tokens are already the padded layout
     attends_all: bool = False  # one new token each at the same position: every query sees every key
     _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
+    _key_runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,18 @@ class StepBatch:
         """[B] the slots as a tensor."""
         return self._long(self.slots)
 
+    def key_runs(self, rows_per_token: int) -> list[tuple[int, int, int, int]]:
+        """The sequences split into runs (first, end, keys, tokens) that attend in one call
+        each: their first `keys` positions, their first `tokens` new tokens (split_by_length)."""
+        if rows_per_token not in self._key_runs:
+            if self.device.type != "cpu" or self.attends_all:  # (on CUDA, padding is cheaper than calls)
+                runs = [(0, len(self.slots), self.kv_len, self.max_new)]
+            else:
+                runs = split_by_length([s + n for s, n in zip(self.starts, self.counts)], list(self.counts),
+                                       rows_per_token)
+            self._key_runs[rows_per_token] = runs
+        return self._key_runs[rows_per_token]
+
     def window_mask(self, window: AttentionWindow) -> torch.Tensor:
         """[B, 1, max_new, W - 1 + max_new] for a windowed layer's keys: the W - 1 positions
         before each sequence's first new token, then its new tokens."""
@@ -125,6 +138,36 @@ class StepBatch:
             padding = i >= counts  # query rows past a sequence's tokens: any key, never an empty softmax
             self._window_masks[window] = (exists & ((k <= q) & seen | padding))[:, None]
         return self._window_masks[window]
+
+
+# Cost of one CPU attention call in microseconds, as measured with torch's kernel on an
+# AMD EPYC core: a fixed part, then per key (read once per sequence) and per query row
+# and key. Only their proportions matter: they decide where a batch is split.
+CALL_US, KEY_US, ROW_KEY_US = 35.0, 0.092, 0.009
+MAX_RUN = 64  # the split looks this many sequences back (keeps it linear in large batches)
+
+
+def split_by_length(lengths: list[int], counts: list[int], rows_per_token: int) -> list[tuple[int, int, int, int]]:
+    """Split consecutive sequences into runs (first, end, keys, tokens) that attend in one
+    call each over their longest length and most new tokens. One call over the whole
+    padded batch computes every sequence as if it were the longest with the most new
+    tokens, so a short sequence beside a long one costs as much as the long one.
+    Minimises the modelled time of all calls (dynamic programming over the split points)."""
+    best = [0.0] + [float("inf")] * len(lengths)  # best[j]: time of sequences [0, j)
+    first = [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        keys = tokens = 0
+        for start in range(end - 1, max(-1, end - 1 - MAX_RUN), -1):
+            keys, tokens = max(keys, lengths[start]), max(tokens, counts[start])
+            cost = best[start] + CALL_US + (end - start) * keys * (KEY_US + ROW_KEY_US * tokens * rows_per_token)
+            if cost < best[end]:
+                best[end], first[end] = cost, start
+    runs, end = [], len(lengths)
+    while end:
+        start = first[end]
+        runs.append((start, end, max(lengths[start:end]), max(counts[start:end])))
+        end = start
+    return runs[::-1]
 
 
 @dataclass(frozen=True)
@@ -191,6 +234,10 @@ class KVCache:
         """Record that the step's tokens are now cached."""
         for slot, start, n in zip(batch.slots, batch.starts, batch.counts):
             self.lengths[slot] = start + n
+
+    def is_windowed(self, layer: int) -> bool:
+        """A windowed layer's keys come back in window order, not by position."""
+        return self.ring[layer] is not None
 
     # --- tensors ----------------------------------------------------------------------
 
