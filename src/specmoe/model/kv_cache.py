@@ -144,7 +144,7 @@ class StepBatch:
 # AMD EPYC core: a fixed part, then per key (read once per sequence) and per query row
 # and key. Only their proportions matter: they decide where a batch is split.
 CALL_US, KEY_US, ROW_KEY_US = 35.0, 0.092, 0.009
-MAX_RUN = 64  # the split looks this many sequences back (keeps it linear in large batches)
+MAX_UNITS = 16  # a larger batch is split at multiples of B / 16 sequences: the search stays cheap
 
 
 def split_by_length(lengths: list[int], counts: list[int], rows_per_token: int) -> list[tuple[int, int, int, int]]:
@@ -153,20 +153,32 @@ def split_by_length(lengths: list[int], counts: list[int], rows_per_token: int) 
     padded batch computes every sequence as if it were the longest with the most new
     tokens, so a short sequence beside a long one costs as much as the long one.
     Minimises the modelled time of all calls (dynamic programming over the split points)."""
-    best = [0.0] + [float("inf")] * len(lengths)  # best[j]: time of sequences [0, j)
-    first = [0] * (len(lengths) + 1)
-    for end in range(1, len(lengths) + 1):
+    def cost(size, keys, tokens):
+        return CALL_US + size * keys * (KEY_US + ROW_KEY_US * tokens * rows_per_token)
+
+    B = len(lengths)
+    one_call = [(0, B, max(lengths), max(counts))]
+    if cost(*one_call[0][1:]) - sum(cost(1, n, c) - CALL_US for n, c in zip(lengths, counts)) <= CALL_US:
+        return one_call  # no split can save more than the call it adds
+    step = -(-B // MAX_UNITS)
+    cuts = list(range(0, B, step)) + [B]
+    unit_keys = [max(lengths[a:b]) for a, b in zip(cuts, cuts[1:])]
+    unit_tokens = [max(counts[a:b]) for a, b in zip(cuts, cuts[1:])]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)  # best[j]: time of sequences [0, cuts[j])
+    first = [0] * len(cuts)
+    for j in range(1, len(cuts)):
         keys = tokens = 0
-        for start in range(end - 1, max(-1, end - 1 - MAX_RUN), -1):
-            keys, tokens = max(keys, lengths[start]), max(tokens, counts[start])
-            cost = best[start] + CALL_US + (end - start) * keys * (KEY_US + ROW_KEY_US * tokens * rows_per_token)
-            if cost < best[end]:
-                best[end], first[end] = cost, start
-    runs, end = [], len(lengths)
-    while end:
-        start = first[end]
-        runs.append((start, end, max(lengths[start:end]), max(counts[start:end])))
-        end = start
+        for i in range(j - 1, -1, -1):
+            keys, tokens = max(keys, unit_keys[i]), max(tokens, unit_tokens[i])
+            total = best[i] + cost(cuts[j] - cuts[i], keys, tokens)
+            if total < best[j]:
+                best[j], first[j] = total, i
+    runs, j = [], len(cuts) - 1
+    while j:
+        i = first[j]
+        a, b = cuts[i], cuts[j]
+        runs.append((a, b, max(lengths[a:b]), max(counts[a:b])))
+        j = i
     return runs[::-1]
 
 
