@@ -37,15 +37,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         q_pad = q.new_zeros(B * n, H, d)
         q_pad[batch.padded_index] = q
         q = q_pad
-    q_grouped = q.view(B, n, G, r, d).transpose(1, 2).reshape(B, G, n * r, d)  # (with n = 1, a view)
+    if n == 1:  # decode and draft: the r query rows of a kv head are its r heads, already in place
+        q_grouped = q.view(B, G, r, d)
+    else:
+        q_grouped = q.view(B, n, G, r, d).transpose(1, 2).reshape(B, G, n * r, d)
     if mask is not None and r > 1 and n > 1:  # one query row per (token, head); with n = 1 the mask broadcasts
         mask = mask.repeat_interleave(r, dim=2)  # [B, 1, n * r, L]
     sinks = None if sinks is None else sinks.view(G, r)
     runs = batch.key_runs(r) if by_length else [(0, B, keys.shape[2], n)]
     if len(runs) == 1 and runs[0][3] == n:
-        _, _, length, _ = runs[0]
-        out = _attend_rows(q_grouped, keys[:, :, :length], values[:, :, :length],
-                           None if mask is None else mask[..., :length], scale, sinks, n)
+        length = runs[0][2]
+        if length < keys.shape[2]:
+            keys, values, mask = keys[:, :, :length], values[:, :, :length], None if mask is None else mask[..., :length]
+        out = _attend_rows(q_grouped, keys, values, mask, scale, sinks, n)
     else:  # rows past a run's tokens are padding, dropped below
         out = q.new_empty(B, G, n * r, values.shape[-1])
         for first, end, length, tokens in runs:
