@@ -48,7 +48,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     if len(runs) == 1 and runs[0][3] == n:
         length = runs[0][2]
         if length < keys.shape[2]:
-            keys, values, mask = keys[:, :, :length], values[:, :, :length], None if mask is None else mask[..., :length]
+            keys, values = keys[:, :, :length], values[:, :, :length]
+            mask = None if mask is None else mask[..., :length]
         out = _attend_rows(q_grouped, keys, values, mask, scale, sinks, n)
     else:  # rows past a run's tokens are padding, dropped below
         out = q.new_empty(B, G, n * r, values.shape[-1])
