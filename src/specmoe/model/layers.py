@@ -46,8 +46,7 @@ def expert_activation(spec: ExpertSpec, h: torch.Tensor) -> torch.Tensor:
     """The expert's hidden activation from its first projection h [T, R] -> [T, I]."""
     if spec.activation == "relu":
         return F.relu(h)
-    half = h.shape[-1] // 2
-    gate, up = h[..., :half], h[..., half:]  # (two slices cost less than chunk's split)
+    gate, up = h.chunk(2, dim=-1)
     if spec.activation == "clamped_swiglu":  # GPT-OSS: clamp both halves, gate * sigmoid(alpha gate), (up + 1)
         gate = gate.clamp(max=spec.limit)
         up = up.clamp(-spec.limit, spec.limit)
