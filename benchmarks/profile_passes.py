@@ -13,6 +13,12 @@ operator's time and count by the code that called it).
 --source-rev REV extracts REV's src/ into a temporary directory (git archive) and runs
 this script against that package, with this tree's profiling code: the "before" of a
 before/after table measured with one method.
+
+--pair REV loads REV's package beside this tree's in one process (renamed, so both
+import) and times their units in alternating rounds, no profiler: a before/after ratio
+per round that holds when the machine's speed drifts between two separate runs.
+
+    python benchmarks/profile_passes.py --pair c95390e --batch-sizes 16 --repeats 5 --json pair.json
 """
 
 from __future__ import annotations
@@ -61,6 +67,58 @@ def run_at_source(rev: str, argv: list[str]) -> int:
         return subprocess.run([sys.executable, __file__, *rest, "--source", rev], env=env).returncode
 
 
+def package_at(rev: str, tmp: str):
+    """REV's specmoe package imported as `specmoe_REV` (its imports are relative)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/specmoe"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+    alias = "specmoe_" + rev.replace("-", "_")
+    os.rename(Path(tmp) / "src" / "specmoe", Path(tmp) / "src" / alias)
+    sys.path.insert(0, str(Path(tmp) / "src"))
+    return importlib.import_module(alias)
+
+
+def measure_pair(prof, llms: dict, prompts, params, repeats: int) -> dict:
+    """Per unit: each LLM's thread CPU ms per unit in every round, the LLMs taking turns
+    (the order flips every round)."""
+    inst = {name: prof.Instrumented(llm.engine) for name, llm in llms.items()}
+    for llm in llms.values():
+        llm.generate(prompts, params)  # warm-up
+    rounds = {name: [] for name in llms}
+    for r in range(repeats):
+        for name in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+            inst[name].clock.reset()
+            llms[name].generate(prompts, params)
+            clock = inst[name].clock
+            rounds[name].append({u: 1e3 * clock.cpu[u] / n for u, n in clock.count.items() if n})
+    return rounds
+
+
+def run_pair(prof, args, prompts, params) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specmoe-pair-") as tmp:
+        old = package_at(args.pair, tmp)
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)
+            for policy, extra in (("resident", {}),
+                                  ("specmoe", dict(offload="disk", device_memory="30%", gamma=args.gamma))):
+                llms = {"before": old.LLM(policy=policy, **common, **extra),
+                        "after": LLM(policy=policy, **common, **extra)}
+                rounds = measure_pair(prof, llms, prompts[: 2 * batch], params, args.repeats)
+                for llm in llms.values():
+                    llm.close()
+                for unit in rounds["after"][0]:
+                    before = [r[unit] for r in rounds["before"]]
+                    after = [r[unit] for r in rounds["after"]]
+                    ratios = [b / a for b, a in zip(before, after)]
+                    rows.append({"unit": unit, "batch_size": batch, "policy": policy,
+                                 "before_ms": before, "after_ms": after, "ratios": ratios,
+                                 "median_ratio": statistics.median(ratios)})
+                    print(f"B={batch} {policy} {unit}: before {statistics.median(before):.1f} ms, after "
+                          f"{statistics.median(after):.1f} ms, per-round ratio median {statistics.median(ratios):.2f}x "
+                          f"[{min(ratios):.2f}-{max(ratios):.2f}]", file=sys.stderr, flush=True)
+    return rows
+
+
 def measure_policy(prof, llm, prompts, params, repeats: int) -> dict:
     """Unit timings (median run) and the two profiles of one LLM."""
     inst = prof.Instrumented(llm.engine)
@@ -97,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
     ap.add_argument("--source-rev", help="profile this git revision's package instead of this tree's")
     ap.add_argument("--source", help=argparse.SUPPRESS)  # set by --source-rev in the child run
+    ap.add_argument("--pair", metavar="REV", help="time REV's package against this tree's in one process, alternating")
     ap.add_argument("--json", metavar="FILE", required=True)
     args = ap.parse_args(argv)
     if args.source_rev:
@@ -104,6 +163,13 @@ def main(argv=None) -> int:
     prof = load_profile_module()
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.open()]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    if args.pair:
+        doc = {"kind": "profile-pair", "before": args.pair, "after": "this tree",
+               "command": "python benchmarks/profile_passes.py " + " ".join(argv),
+               "rows": run_pair(prof, args, prompts, params)}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"profile_passes: wrote {args.json}", file=sys.stderr)
+        return 0
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)

@@ -65,3 +65,34 @@ def test_operator_shares_cover_attention_router_and_experts_of_each_unit(profile
         assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
         assert shares[unit]["operators"] > 0
     assert 0.0 <= outside_share(events)["draft"] < 1.0
+
+
+def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path):
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    spec = importlib.util.spec_from_file_location("profile_passes_script", root / "benchmarks" / "profile_passes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    old = script.package_at("HEAD", str(tmp_path))
+    assert old.__name__ == "specmoe_HEAD" and Path(old.__file__).is_relative_to(tmp_path)
+    assert old.LLM is not LLM  # a second copy of the package, not this one again
+
+    path = make_checkpoint("mixtral", tmp_path / "m")
+    options = dict(model=path, policy="specmoe", offload="host", device_memory="60%", gamma=2, max_batch_size=2,
+                   max_model_len=64)
+    llms = {"before": old.LLM(**options), "after": LLM(**options)}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    rounds = script.measure_pair(script.load_profile_module(), llms, [[5, 6, 7], [8, 9]], params, repeats=3)
+    for llm in llms.values():
+        llm.close()
+
+    assert set(rounds) == {"before", "after"}
+    for name in rounds:
+        assert len(rounds[name]) == 3
+        assert all(r["draft"] > 0 and r["verify"] > 0 for r in rounds[name])
