@@ -52,12 +52,17 @@ def load_profile_module():
     return module
 
 
+def extract_src(rev: str, tmp: str) -> Path:
+    """REV's src/ written under tmp (git archive); returns that src directory."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+    return Path(tmp) / "src"
+
+
 def run_at_source(rev: str, argv: list[str]) -> int:
     """Run this script again against REV's package (its src/ put first on the path)."""
     with tempfile.TemporaryDirectory(prefix="specmoe-src-") as tmp:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        env = dict(os.environ, PYTHONPATH=str(Path(tmp) / "src"))
+        env = dict(os.environ, PYTHONPATH=str(extract_src(rev, tmp)))
         rest, skip = [], False
         for a in argv:  # drop --source-rev REV; record it as the label
             if skip or a == "--source-rev" or a.startswith("--source-rev="):
@@ -69,11 +74,10 @@ def run_at_source(rev: str, argv: list[str]) -> int:
 
 def package_at(rev: str, tmp: str):
     """REV's specmoe package imported as `specmoe_REV` (its imports are relative)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/specmoe"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+    src = extract_src(rev, tmp)
     alias = "specmoe_" + rev.replace("-", "_")
-    os.rename(Path(tmp) / "src" / "specmoe", Path(tmp) / "src" / alias)
-    sys.path.insert(0, str(Path(tmp) / "src"))
+    os.rename(src / "specmoe", src / alias)
+    sys.path.insert(0, str(src))
     return importlib.import_module(alias)
 
 
@@ -97,26 +101,35 @@ def run_pair(prof, args, prompts, params) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="specmoe-pair-") as tmp:
         old = package_at(args.pair, tmp)
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)
-            for policy, extra in (("resident", {}),
-                                  ("specmoe", dict(offload="disk", device_memory="30%", gamma=args.gamma))):
-                llms = {"before": old.LLM(policy=policy, **common, **extra),
-                        "after": LLM(policy=policy, **common, **extra)}
-                rounds = measure_pair(prof, llms, prompts[: 2 * batch], params, args.repeats)
-                for llm in llms.values():
-                    llm.close()
-                for unit in rounds["after"][0]:
-                    before = [r[unit] for r in rounds["before"]]
-                    after = [r[unit] for r in rounds["after"]]
-                    ratios = [b / a for b, a in zip(before, after)]
-                    rows.append({"unit": unit, "batch_size": batch, "policy": policy,
-                                 "before_ms": before, "after_ms": after, "ratios": ratios,
-                                 "median_ratio": statistics.median(ratios)})
-                    print(f"B={batch} {policy} {unit}: before {statistics.median(before):.1f} ms, after "
-                          f"{statistics.median(after):.1f} ms, per-round ratio median {statistics.median(ratios):.2f}x "
-                          f"[{min(ratios):.2f}-{max(ratios):.2f}]", file=sys.stderr, flush=True)
+        for batch, policy, options in setups(args):
+            llms = {"before": old.LLM(**options), "after": LLM(**options)}
+            rounds = measure_pair(prof, llms, prompts[: 2 * batch], params, args.repeats)
+            for llm in llms.values():
+                llm.close()
+            for unit in rounds["after"][0]:
+                before = [r[unit] for r in rounds["before"]]
+                after = [r[unit] for r in rounds["after"]]
+                ratios = [b / a for b, a in zip(before, after)]
+                rows.append({"unit": unit, "batch_size": batch, "policy": policy,
+                             "before_ms": before, "after_ms": after, "ratios": ratios,
+                             "median_ratio": statistics.median(ratios)})
+                print(f"B={batch} {policy} {unit}: before {statistics.median(before):.1f} ms, after "
+                      f"{statistics.median(after):.1f} ms, per-round ratio median {statistics.median(ratios):.2f}x "
+                      f"[{min(ratios):.2f}-{max(ratios):.2f}]", file=sys.stderr, flush=True)
     return rows
+
+
+def setups(args):
+    """(batch size, policy, LLM options) of every measured configuration."""
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)
+        yield batch, "resident", dict(policy="resident", **common)
+        yield batch, "specmoe", dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)
+
+
+def write_doc(path: str, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"profile_passes: wrote {path}", file=sys.stderr)
 
 
 def measure_policy(prof, llm, prompts, params, repeats: int) -> dict:
@@ -167,29 +180,24 @@ def main(argv=None) -> int:
         doc = {"kind": "profile-pair", "before": args.pair, "after": "this tree",
                "command": "python benchmarks/profile_passes.py " + " ".join(argv),
                "rows": run_pair(prof, args, prompts, params)}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"profile_passes: wrote {args.json}", file=sys.stderr)
+        write_doc(args.json, doc)
         return 0
     rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)
-        for policy, extra in (("resident", {}),
-                              ("specmoe", dict(offload="disk", device_memory="30%", gamma=args.gamma))):
-            llm = LLM(policy=policy, **common, **extra)
-            units = measure_policy(prof, llm, prompts[: 2 * batch], params, args.repeats)
-            draft_quant = (llm.last_stats or {}).get("draft_quant")
-            llm.close()
-            for unit, row in units.items():
-                rows.append({"unit": unit, "batch_size": batch, "policy": policy, "draft_quant": draft_quant, **row})
-            print(f"B={batch} {policy}: " + ", ".join(f"{u} {r['cpu_ms']:.1f} ms cpu ({r['operators'] or 0:.0f} ops)"
-                                                     for u, r in units.items()), file=sys.stderr, flush=True)
+    for batch, policy, options in setups(args):
+        llm = LLM(**options)
+        units = measure_policy(prof, llm, prompts[: 2 * batch], params, args.repeats)
+        draft_quant = (llm.last_stats or {}).get("draft_quant")
+        llm.close()
+        for unit, row in units.items():
+            rows.append({"unit": unit, "batch_size": batch, "policy": policy, "draft_quant": draft_quant, **row})
+        print(f"B={batch} {policy}: " + ", ".join(f"{u} {r['cpu_ms']:.1f} ms cpu ({r['operators'] or 0:.0f} ops)"
+                                                 for u, r in units.items()), file=sys.stderr, flush=True)
     doc = {"kind": "profile-passes", "source": args.source or "this tree",
            "command": "python benchmarks/profile_passes.py " + " ".join(argv),
            "config": {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "repeats": args.repeats,
                       "gamma": args.gamma, "threads": torch.get_num_threads(), "torch": torch.__version__},
            "categories": list(prof.CATEGORIES), "rows": rows}
-    Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"profile_passes: wrote {args.json}", file=sys.stderr)
+    write_doc(args.json, doc)
     return 0
 
 
