@@ -97,8 +97,8 @@ def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     plain = a.qk_norm in ("none", "l2") and a.clip_qkv is None  # l2 comes after the rotation
     if plain and rope is not None:  # q and k side by side: rotated in one go
         # (split_with_sizes: Tensor.split is a Python wrapper around it, twice as slow at batch 1)
-        q, k = rope.apply(qkv[:, : (H + G) * d].view(T, H + G, d)).split_with_sizes([H, G], dim=1)
-        v = qkv[:, (H + G) * d:].view(T, G, d)
+        qk, v = qkv.view(T, H + 2 * G, d).split_with_sizes([H + G, G], dim=1)
+        q, k = rope.apply(qk).split_with_sizes([H, G], dim=1)
     else:
         q, k, v = qkv.split([H * d, G * d, G * d], dim=-1)
         if a.qk_norm == "full":  # OLMoE: over the whole projection

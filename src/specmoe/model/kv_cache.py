@@ -182,6 +182,17 @@ def split_by_length(lengths: list[int], counts: list[int], rows_per_token: int) 
     return runs[::-1]
 
 
+def _write_one(store: torch.Tensor, new: torch.Tensor, slot: int, position: int, length: int) -> torch.Tensor:
+    """Write one token's new [1, heads, dim] at `position` of `slot` in store [slots, heads,
+    positions, dim]; return the slot's first `length` positions [1, heads, length, dim].
+    Each is one strided view (indexing would take a select or slice per dimension: at
+    batch 1 every operator is a noticeable part of a decode step)."""
+    s_slot, s_head, s_pos, s_dim = store.stride()
+    base = store.storage_offset() + slot * s_slot
+    store.as_strided(new.shape, (s_slot, s_head, s_dim), base + position * s_pos).copy_(new)
+    return store.as_strided((1, store.shape[1], length, store.shape[3]), store.stride(), base)
+
+
 @dataclass(frozen=True)
 class LayerCacheSpec:
     """What one layer caches per token: `heads` x `k_dim` keys and `heads` x `v_dim`
@@ -291,15 +302,13 @@ class KVCache:
         if self.ring[layer] is not None:
             return self._ring_write_and_read(layer, batch, k, v)
         keys, values = self.k[layer], self.v[layer]
-        if len(batch.counts) == 1 == batch.max_new:  # one token (batch-1 decoding): a plain write, cheaper
-            slot, position = batch.slots[0], batch.starts[0]
-            keys[slot, :, position] = k[0]
-            if values is not None:
-                values[slot, :, position] = v[0]
-        else:
-            keys[batch.token_slots, :, batch.positions] = k
-            if values is not None:
-                values[batch.token_slots, :, batch.positions] = v
+        if len(batch.counts) == 1 == batch.max_new:  # batch-1 decoding: two operators a tensor
+            slot, position, length = batch.slots[0], batch.starts[0], batch.kv_len
+            return (_write_one(keys, k, slot, position, length),
+                    None if values is None else _write_one(values, v, slot, position, length), None)
+        keys[batch.token_slots, :, batch.positions] = k
+        if values is not None:
+            values[batch.token_slots, :, batch.positions] = v
         slots = batch.slots
         if slots == tuple(range(slots[0], slots[0] + len(slots))):  # contiguous: a view, no copy
             index = slice(slots[0], slots[0] + len(slots))
