@@ -31,6 +31,7 @@ from .shapes import ModelShape
 # keeps these in step with the code).
 PASS_OPS = 26  # embedding, the pass's rotation, final norm, LM head
 ATTENTION_OPS = 37  # per layer: both norms, one q/k/v matmul, o, rotary, KV cache write and read, attention, residuals
+ONE_TOKEN_ATTENTION_OPS = 29  # the same for a pass of one token: its K/V written and read through strided views
 DENSE_FFN_OPS = 8  # per dense layer: SwiGLU
 ROUTER_OPS = 16  # per MoE layer: router, softmax, top-k, grouping positions by expert
 LAUNCHES_PER_EXPERT = 14  # per expert run: gather its positions, gate/up, SiLU, product, down, weighted scatter-add
@@ -143,12 +144,13 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
     bpp = s.bytes_per_param
     kv_layer = s.kv_bytes_per_token / s.step_layers
     w = PassWork()
+    attention_ops = ONE_TOKEN_ATTENTION_OPS if P == 1 else ATTENTION_OPS
     for _ in range(s.step_layers):
         # attention: projections + scores over the cache; each sequence reads its K/V once
         # per pass (its positions share it) and writes K/V for its new positions.
         flops = 2 * P * s.attention_params + 4 * P * s.num_heads * s.head_dim * (sc.context_len + per_sequence)
         nbytes = s.attention_params * bpp + batch * sc.context_len * kv_layer + P * kv_layer
-        w.add(hw, flops, nbytes, ATTENTION_OPS)
+        w.add(hw, flops, nbytes, attention_ops)
         if s.encoder_layers:  # cross-attention: q and o projections, scores over the source's cached K/V
             proj = 2 * s.hidden * s.num_heads * s.head_dim
             w.add(hw, 2 * P * proj + 4 * P * s.num_heads * s.head_dim * sc.source_len,
