@@ -304,18 +304,19 @@ class Checkpoint:
         return self._layer_has("gate_up_blocks")
 
     def expert_buffer(self, layer: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Routed expert `expert` of `layer` as one contiguous 1-D buffer in the layout of
-        `ExpertSpec`: [w_in (gate rows, then up rows) | w_out | b_in | b_out], dequantized
-        where the checkpoint quantized it (`expert_blob` keeps it quantized)."""
+        """Routed expert `expert` of `layer` as one 1-D buffer in `ExpertSpec`'s layout [w_in (gate
+        rows, then up rows) | w_out | b_in | b_out], dequantized (`expert_blob` keeps it quantized)."""
+        return torch.cat([p.reshape(-1).to(dtype) for p in self.expert_parts(layer, expert)])
+
+    def expert_parts(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """The expert's tensors as the checkpoint has them (`expert_buffer`'s order)."""
         spec = self.config.expert
         if self.fused_layout:
-            parts = self._fused_expert(layer, expert)
-        else:
-            shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter),
-                      "up_bias": (spec.inter,), "down_bias": (spec.hidden,)}
-            names = (("gate", "up", "down") if spec.gated else ("up", "down")) + (("up_bias", "down_bias") if spec.bias else ())
-            parts = [self._checked(self._expert_name(layer, expert, part), shapes[part]) for part in names]
-        return torch.cat([p.reshape(-1).to(dtype) for p in parts])
+            return self._fused_expert(layer, expert)
+        shapes = {"gate": (spec.inter, spec.hidden), "up": (spec.inter, spec.hidden), "down": (spec.hidden, spec.inter),
+                  "up_bias": (spec.inter,), "down_bias": (spec.hidden,)}
+        names = (("gate", "up", "down") if spec.gated else ("up", "down")) + (("up_bias", "down_bias") if spec.bias else ())
+        return [self._checked(self._expert_name(layer, expert, part), shapes[part]) for part in names]
 
     def _expert_name(self, layer: int, expert: int, part: str) -> str:
         candidates = tuple(self.layer_prefix(layer) + t for t in EXPERT_TENSORS[part])

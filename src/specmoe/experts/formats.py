@@ -1,8 +1,10 @@
 """How one routed expert is held where it lives and how it is computed: the unit the
 offload tiers store and a fetch moves, and the layout a device-pool slot holds it in.
 
-- `FloatFormat`: the expert's weights in the compute dtype, one buffer in the layout of
-  `ExpertSpec` (float checkpoints); a slot holds the same buffer.
+- `FloatFormat`: the expert's weights as one buffer in the layout of `ExpertSpec` (float
+  checkpoints), in the compute dtype, or in the checkpoint's narrower one where widening
+  it is exact (bfloat16 weights computed in float32 on the CPU: `stored_dtype`); a slot
+  holds the buffer in the compute dtype.
 - `QuantizedFormat`: the checkpoint's own quantized bytes, one uint8 blob (layout:
   base/quantization.py: codes and scales of w_in and w_out, biases). A slot holds the
   blob, and computing an expert dequantizes each matrix in turn to the compute dtype (one
@@ -31,6 +33,7 @@ from ..base.config import ModelConfig
 from ..base.quantization import SECTION_ALIGN, ExpertQuant, MatrixQuant
 from ..base.quantized_tensors import FP4_VALUES, SCALE_DTYPES, expand_scales
 from ..base.specs import ExpertSpec
+from ..model.layers import as_dtype
 from ..model.moe import expert_forward, run_expert
 from .quant import INT4_KERNEL_GROUPS
 
@@ -85,15 +88,21 @@ class ExpertFormat:
 class FloatFormat(ExpertFormat):
     storage_dtype = torch.float32
 
-    def __init__(self, spec: ExpertSpec, dtype: torch.dtype):
-        self.spec, self.storage_dtype, self.numel = spec, dtype, spec.numel
-        self.name = str(dtype).removeprefix("torch.")
+    def __init__(self, spec: ExpertSpec, dtype: torch.dtype, stored: torch.dtype | None = None):
+        self.spec, self.numel, self.compute_dtype = spec, spec.numel, dtype
+        self.storage_dtype = stored or dtype
+        self.converts = self.storage_dtype != dtype
+        self.name = str(self.storage_dtype).removeprefix("torch.")
+
+    @property
+    def slot_dtype(self) -> torch.dtype:
+        return self.compute_dtype
 
     def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
         return ckpt.expert_buffer(layer, expert, self.storage_dtype)
 
     def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return run_expert(stored, x, self.spec)
+        return run_expert(as_dtype(stored, x.dtype), x, self.spec)
 
 
 class QuantizedFormat(ExpertFormat):
@@ -167,12 +176,30 @@ class QuantizedFormat(ExpertFormat):
         return max(m.rows * m.cols for m in (self.quant.w_in, self.quant.w_out)) * elem
 
 
-def expert_format(config: ModelConfig, dtype: torch.dtype, device=None) -> ExpertFormat:
-    """How this model's experts are held: the checkpoint's quantized blobs, else the compute
-    dtype; `device` (where the pool is) decides a slot's layout."""
+def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
+                  checkpoint_dtype: torch.dtype | None = None) -> ExpertFormat:
+    """How this model's experts are held: the checkpoint's quantized blobs, else float
+    buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout."""
     if config.expert_quant is not None:
         return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
-    return FloatFormat(config.expert, dtype)
+    return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype))
+
+
+def checkpoint_expert_dtype(ckpt: Checkpoint) -> torch.dtype | None:
+    """The dtype the checkpoint's routed experts come in (its first expert's tensors), or
+    None where those tensors differ in dtype."""
+    dtypes = {t.dtype for t in ckpt.expert_parts(ckpt.config.moe_layer_ids[0], 0)}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def stored_dtype(checkpoint_dtype: torch.dtype | None, compute: torch.dtype) -> torch.dtype:
+    """What the offload tiers hold float experts in: the checkpoint's bfloat16 or float16
+    when the compute dtype is float32 (widening is exact: the same numbers, half the bytes
+    to store, read and move; a slot widens the expert when it arrives), else the compute
+    dtype."""
+    if compute == torch.float32 and checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return compute
 
 
 # --- dequantization -------------------------------------------------------------------------------

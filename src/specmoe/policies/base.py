@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, ModelConfig
 from ..experts.budget import DeviceBudget
-from ..experts.formats import ExpertFormat, expert_format
+from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, expert_format
 from ..model.moe import ExpertBackend, Routing
 
 PASS_KINDS = ("prefill", "decode", "draft", "verify")
@@ -45,8 +46,12 @@ class Runtime:
 
     @property
     def expert_format(self) -> ExpertFormat:
-        """How experts are held and moved: the checkpoint's quantized blobs, or the compute dtype."""
-        return expert_format(self.config, self.dtype, self.device)
+        """How experts are held and moved: the checkpoint's quantized blobs, or float buffers."""
+        return expert_format(self.config, self.dtype, self.device, self.checkpoint_expert_dtype)
+
+    @cached_property
+    def checkpoint_expert_dtype(self) -> torch.dtype | None:
+        return checkpoint_expert_dtype(self.checkpoint)
 
     @property
     def expert_bytes(self) -> int:

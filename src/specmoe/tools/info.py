@@ -14,7 +14,7 @@ from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
-from ..experts.formats import expert_format
+from ..experts.formats import checkpoint_expert_dtype, expert_format
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -74,8 +74,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "router": c.router.kind,
         "shared_expert": c.shared_expert_intermediate_size > 0,
         "attention": _attention_summary(c),
-        "expert_format": c.expert_quant.describe() if c.expert_quant else f"{c.torch_dtype} checkpoint, "
-                         f"held in {str(compute_dtype).removeprefix('torch.')}",
+        "expert_format": c.expert_quant.describe() if c.expert_quant else _float_experts(ckpt, compute_dtype),
         "expert_bytes": expert_bytes,
         "expert_bytes_total": expert_bytes * num_experts_total,
         "non_expert_bytes": non_expert_params * elem,
@@ -153,3 +152,11 @@ def render_info(info: dict) -> None:
             value = ", ".join(f"{k}: {v}" for k, v in value.items())
         table.add_row(key, str(value))
     Console().print(table)
+
+
+def _float_experts(ckpt, compute_dtype) -> str:
+    """Where float experts are kept in which dtype (the offload tiers may keep the checkpoint's)."""
+    fmt = expert_format(ckpt.config, compute_dtype, None, checkpoint_expert_dtype(ckpt))
+    name = str(compute_dtype).removeprefix("torch.")
+    return f"{ckpt.config.torch_dtype} checkpoint, computed in {name}" + (
+        f", stored and moved in {fmt.name}" if fmt.converts else "")
