@@ -67,9 +67,10 @@ def main(argv=None) -> int:
     ref.generate(prompts, params)
     ref_sha = ref.last_stats["token_ids_sha256"]
     e = ref.engine
-    expert_total = e.policy.runtime.expert_bytes * len(e.policy.runtime.expert_keys)
+    rt = e.policy.runtime
+    expert_total = rt.expert_bytes * len(rt.expert_keys)  # as the tier stores them: what a sweep moves
     budget = int(e.model.weights.nbytes + e.cache.bytes_per_token() * args.batch_size * args.max_model_len
-                 + args.expert_fraction * expert_total)
+                 + args.expert_fraction * rt.slot_bytes * len(rt.expert_keys))  # as device slots hold them
     rate = expert_total / args.sweep_s
     model_dir = ref.model_dir
     ref.close()

@@ -6,7 +6,7 @@ from specmoe.costmodel.cost_model import POLICIES, Scenario, encoder_pass, estim
 from specmoe.costmodel.hardware import load_profile
 from specmoe.costmodel.planner import plan
 from specmoe.costmodel.routing import acceptance_for_tokens_per_step
-from specmoe.costmodel.shapes import PRESETS
+from specmoe.costmodel.shapes import PRESETS, as_run
 
 BATCHES = (1, 4, 16, 64, 128, 256)
 PAPER_ACCEPTANCE = acceptance_for_tokens_per_step(7.265, 10)  # NLLB, gamma=10, N=4
@@ -157,3 +157,15 @@ def test_planner_prefers_resident_when_everything_fits():
 def test_planner_error_says_how_much_memory_is_needed():
     with pytest.raises(ValueError, match="at least"):
         plan(PRESETS["mixtral-8x7b"], load_profile("h100-pcie5"), 1, 0.7, device_memory=2**30)
+
+
+def test_experts_kept_narrower_in_the_tier_move_their_own_bytes_and_fill_a_slot_of_the_compute_dtype():
+    # a bf16 checkpoint computed in float32: fetches move bf16 experts, slots hold float32 ones
+    hw = load_profile("h100-pcie5")
+    wide = Scenario(as_run(PRESETS["mixtral-8x7b"], 4, 4), hw)
+    narrow = Scenario(as_run(PRESETS["mixtral-8x7b"], 4, 2), hw)
+    for policy in ("ondemand", "caching"):
+        w, n = estimate(policy, wide, 16), estimate(policy, narrow, 16)
+        assert n.transfer_bytes == pytest.approx(w.transfer_bytes / 2)
+        assert n.transfer_s < w.transfer_s
+        assert n.device_bytes == pytest.approx(w.device_bytes)

@@ -18,15 +18,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from ..base.errors import SpecMoEError, warn
 from ..base.paths import cache_dir
 from ..costmodel.cost_model import Scenario
 from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
-from ..costmodel.shapes import shape_of
+from ..costmodel.shapes import as_run, shape_of
 from ..experts.quant import draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
@@ -77,9 +75,9 @@ CANDIDATES = ("ondemand", "overlap", "caching", "specmoe")
 def _model_inputs(runtime):
     """(shape, plan keyword arguments) for this runtime, as the planner sees it."""
     opts = runtime.options
-    shape = shape_of(runtime.config, runtime.checkpoint.dir.name)
-    # weights in the compute dtype; quantized experts keep their blobs' size (shape_of)
-    shape = replace(shape, bytes_per_param=float(torch.tensor([], dtype=runtime.dtype).element_size()))
+    # weights in the compute dtype, experts as the tiers keep them; quantized experts keep their blobs' size (shape_of)
+    shape = as_run(shape_of(runtime.config, runtime.checkpoint.dir.name), runtime.dtype.itemsize,
+                   runtime.expert_format.storage_dtype.itemsize)
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
     # mean cached positions: half the length reserved per sequence (sequences grow into
     # it); the KV the model then counts stays inside what the engine reserved

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 from ..base.trace import read_trace
@@ -30,7 +29,7 @@ from ..costmodel import cost_model
 from ..costmodel.cost_model import Scenario
 from ..costmodel.hardware import load_profile
 from ..costmodel.routing import acceptance_from_trace, fit_routing
-from ..costmodel.shapes import shape_from_config
+from ..costmodel.shapes import as_run, shape_from_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -87,7 +86,7 @@ def predict(bench: dict, rec: dict, traces: Path, profile, shape) -> cost_model.
         est = acceptance_from_trace(records)
         gamma = est.gamma if est else bench["config"]["gamma"]
         draft_quant = rec.get("draft_quant") or "none"
-        n = rec.get("draft_resident_bytes", 0) // max(shape.expert_bytes, 1) // shape.num_moe_layers
+        n = rec.get("draft_resident_bytes", 0) // max(shape.expert_slot_bytes, 1) // shape.num_moe_layers
         return cost_model.specmoe(sc, b, gamma, n, est.acceptance if est else 0.7, draft_quant=draft_quant)
     return cost_model.estimate(policy, sc, b)
 
@@ -97,7 +96,11 @@ def validate(bench: dict, traces: Path, profile) -> dict:
     config = bench["config"]
     shape = shape_from_config(config.get("model_dir") or config["model"]["path"])
     dtype = config["model"].get("dtype") or "float32"
-    shape = replace(shape, bytes_per_param=DTYPE_BYTES.get(dtype, 4))
+    compute = DTYPE_BYTES.get(dtype, 4)
+    # what one fetch moved, as the run counted it (the tiers may keep experts narrower than a slot)
+    fetched = [r for r in bench["records"] if r.get("experts_fetched")]
+    moved = fetched[0]["transfer_bytes"] / fetched[0]["experts_fetched"] if fetched else shape.expert_params * compute
+    shape = as_run(shape, compute, moved / shape.expert_params)
     rows = []
     for rec in bench["records"]:
         if rec.get("kind") != "policy" or rec["policy"] == "auto" or rec.get("skipped"):

@@ -157,7 +157,7 @@ def pass_work(sc: Scenario, batch: int, per_sequence: float, experts_touched: fl
                   proj * bpp + batch * sc.source_len * kv_layer, ATTENTION_OPS)
     for _ in range(s.step_dense_layers):
         w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
-    expert_bytes, expert_ops = s.expert_bytes, LAUNCHES_PER_EXPERT
+    expert_bytes, expert_ops = s.expert_slot_bytes, LAUNCHES_PER_EXPERT
     if s.expert_bytes_per_param:  # the model's own experts are quantized: dequantized per run too
         expert_ops += DEQUANT_OPS
     if quant_bits:
@@ -184,7 +184,7 @@ def _device_bytes(sc: Scenario, batch: int, positions_per_seq: int, resident_exp
     slots, computing each as it lands; more slots only help the timing)."""
     s = sc.shape
     kv = batch * (sc.context_len + positions_per_seq) * s.kv_bytes_per_token
-    return s.non_expert_bytes + kv + (resident_experts + staging_experts) * s.expert_bytes
+    return s.non_expert_bytes + kv + (resident_experts + staging_experts) * s.expert_slot_bytes
 
 
 def encoder_pass(sc: Scenario, batch: int, cached_per_block: int | None) -> tuple[float, float]:
@@ -203,7 +203,7 @@ def encoder_pass(sc: Scenario, batch: int, cached_per_block: int | None) -> tupl
         w.add(hw, 2 * P * s.dense_ffn_params, s.dense_ffn_params * bpp, DENSE_FFN_OPS)
     u = sc.distinct(batch, S)
     for _ in range(s.encoder_moe_layers):
-        w.add(hw, 2 * P * (s.router_params + s.top_k * s.expert_params), u * s.expert_bytes, LAUNCHES_PER_EXPERT * u)
+        w.add(hw, 2 * P * (s.router_params + s.top_k * s.expert_params), u * s.expert_slot_bytes, LAUNCHES_PER_EXPERT * u)
     cross = 2 * s.hidden * s.num_heads * s.head_dim  # k and v projections per decoder layer
     w.add(hw, 2 * P * cross * s.step_layers, cross * s.step_layers * bpp, 2 * s.step_layers)
     fetched = 0.0 if cached_per_block is None else sc.distinct(batch, S, exclude_hottest=cached_per_block)
@@ -339,7 +339,7 @@ def host(sc: Scenario, batch: int) -> StepEstimate:
     flops = 2 * t * s.expert_params
     on_host = np.maximum(flops / hw.host_matmul_flops, s.expert_bytes / hw.host_expert_read_bw) \
         + LAUNCHES_PER_EXPERT * hw.kernel_launch_s
-    on_dev = sc.fetch_s(1) + np.maximum(flops / hw.device_matmul_flops, s.expert_bytes / hw.device_mem_bw) \
+    on_dev = sc.fetch_s(1) + np.maximum(flops / hw.device_matmul_flops, s.expert_slot_bytes / hw.device_mem_bw) \
         + LAUNCHES_PER_EXPERT * hw.kernel_launch_s
     use_dev = on_dev < on_host
     expert_s = float((p_touch * np.minimum(on_host, on_dev)).sum())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..base.config import ModelConfig
@@ -37,6 +37,7 @@ class ModelShape:
     dense_intermediate: int = 0  # FFN of the non-MoE layers
     bytes_per_param: float = 2.0
     expert_bytes_per_param: float = 0.0  # routed experts' own, when quantized (scales included); 0: bytes_per_param
+    stored_bytes_per_param: float = 0.0  # float experts in the tiers, where narrower than a slot's (bf16 computed in float32)
     expert_matrices: int = 3  # 3: gated (SwiGLU: gate, up, down); 2: plain (fc1, fc2)
     tied_embeddings: bool = False
     attention_params_per_layer: int = 0  # 0: GQA projections from the head counts; MLA: its own count
@@ -61,7 +62,7 @@ class ModelShape:
             raise ValueError(f"model shape {self.name}: moe_layers must be distinct indices in 0..{self.num_layers - 1}")
         if self.num_layers > len(self.moe_layers) and self.dense_intermediate <= 0:
             raise ValueError(f"model shape {self.name}: dense layers present but dense_intermediate is 0")
-        if self.bytes_per_param <= 0 or self.expert_bytes_per_param < 0:
+        if self.bytes_per_param <= 0 or self.expert_bytes_per_param < 0 or self.stored_bytes_per_param < 0:
             raise ValueError(f"model shape {self.name}: bytes_per_param must be positive")
         if not 0 <= self.encoder_layers < self.num_layers:
             raise ValueError(f"model shape {self.name}: encoder_layers must be in 0..{self.num_layers - 1}")
@@ -132,6 +133,11 @@ class ModelShape:
     @property
     def expert_bytes(self) -> int:
         """One routed expert, as the tiers hold and move it."""
+        return int(self.expert_params * (self.expert_bytes_per_param or self.stored_bytes_per_param or self.bytes_per_param))
+
+    @property
+    def expert_slot_bytes(self) -> int:
+        """One routed expert, as a device slot holds it (and its compute reads it)."""
         return int(self.expert_params * (self.expert_bytes_per_param or self.bytes_per_param))
 
     @property
@@ -263,6 +269,13 @@ PRESETS: dict[str, ModelShape] = {
                    **_GPT_OSS),
     ]
 }
+
+
+def as_run(shape: ModelShape, compute_bytes: float, stored_bytes: float) -> ModelShape:
+    """The shape as the engine runs it: weights in a compute dtype of `compute_bytes` per
+    parameter, float experts kept in the tiers at `stored_bytes` (the engine's expert format)."""
+    return replace(shape, bytes_per_param=float(compute_bytes),
+                   stored_bytes_per_param=float(stored_bytes) if stored_bytes < compute_bytes else 0.0)
 
 
 def preset_names() -> list[str]:
