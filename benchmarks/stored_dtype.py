@@ -1,12 +1,14 @@
 """The offload tiers' expert dtype: the demo model's bf16 experts kept bf16 on disk (what
 specmoe does when it computes in float32) against the same experts widened to float32
-before they are stored (what it did before), on the real disk tier, page cache bypassed.
+before they are stored (what it did before), on the real disk tier (page cache bypassed)
+or the host tier (`--offload host`, where the `host` policy computes experts in place).
 
 Both engines of a policy live in one process and run the same batches in alternating
 rounds, so the ratio holds while the machine's speed drifts. Tokens must be identical:
 widening bf16 to float32 is exact, so only where it happens changes.
 
     python benchmarks/stored_dtype.py --policies ondemand,specmoe --batch-size 16 --json stored.json
+    python benchmarks/stored_dtype.py --offload host --policies host,specmoe --batch-size 16 --json stored-host.json
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from specmoe.experts import formats
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
 
 
-def engine(policy: str, batch: int, widened: bool, budget: str) -> LLM:
-    """An engine whose tiers store bf16 experts (the default) or float32 copies of them."""
+def engine(policy: str, batch: int, widened: bool, budget: str, offload: str) -> LLM:
+    """An engine whose tier stores bf16 experts (the default) or float32 copies of them."""
     keep = formats.stored_dtype
     if widened:
         formats.stored_dtype = lambda checkpoint_dtype, compute: compute
     try:
-        return LLM(policy=policy, device_memory=budget, max_batch_size=batch, max_model_len=512, threads=1)
+        return LLM(policy=policy, offload=offload, device_memory=budget, max_batch_size=batch, max_model_len=512,
+                   threads=1)
     finally:
         formats.stored_dtype = keep
 
@@ -42,12 +45,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds after one warm-up")
     ap.add_argument("--device-memory", default="30%")
+    ap.add_argument("--offload", default="disk", choices=("disk", "host"))
     ap.add_argument("--json", metavar="FILE", required=True)
     args = ap.parse_args()
     B = args.batch_size
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * B]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    engines = {(p, stored): engine(p, B, stored == "float32", args.device_memory)
+    engines = {(p, stored): engine(p, B, stored == "float32", args.device_memory, args.offload)
                for p in args.policies.split(",") for stored in ("bfloat16", "float32")}
     speeds = {key: [] for key in engines}
     moved = {}
@@ -75,7 +79,8 @@ def main() -> None:
     print("tokens identical in every round:", tokens_equal)
     for llm in engines.values():
         llm.close()
-    Path(args.json).write_text(json.dumps({"kind": "stored-dtype", "batch_size": B, "rounds": args.rounds,
+    Path(args.json).write_text(json.dumps({"kind": "stored-dtype", "offload": args.offload, "batch_size": B,
+                                           "rounds": args.rounds,
                                            "tokens_equal": tokens_equal, "rows": rows}, indent=1))
 
 
