@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 from factories import build_model, random_prompts
-from test_offload_direct import O_DIRECT
 
 from specmoe import LLM, SamplingParams
 from specmoe.experts.formats import stored_dtype
 
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts(2, min_len=4, max_len=10, seed=5)
 # 32 x 64 experts: 24 KiB in float32, 12 KiB in bfloat16, both whole 4 KiB blocks, so the
