@@ -38,7 +38,7 @@ from ..base.trace import read_trace
 from ..costmodel.cost_model import Scenario, pass_work
 from ..costmodel.hardware import HardwareProfile
 from ..costmodel.shapes import ModelShape, as_run, shape_of
-from ..experts.formats import checkpoint_expert_dtype, expert_format
+from ..experts.formats import checkpoint_format
 from ..engine.engine import Engine, resolve_dtype
 from ..engine.sampling import SamplingParams
 from ..engine.stats import RunCounters
@@ -106,7 +106,7 @@ def run_probe(model_dir: Path, threads: int | None, workdir: Path,
     cost) with its experts and fetches averaged."""
     checkpoint = Checkpoint(model_dir)
     dtype = resolve_dtype("auto", checkpoint, torch.device("cpu"))
-    stored = expert_format(checkpoint.config, dtype, None, checkpoint_expert_dtype(checkpoint)).storage_dtype
+    stored = checkpoint_format(checkpoint, dtype).storage_dtype
     shape = as_run(shape_of(checkpoint.config, model_dir.name), dtype.itemsize, stored.itemsize)
     samples: list[PassSample] = []
     seen = set()

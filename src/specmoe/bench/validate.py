@@ -97,10 +97,10 @@ def validate(bench: dict, traces: Path, profile) -> dict:
     shape = shape_from_config(config.get("model_dir") or config["model"]["path"])
     dtype = config["model"].get("dtype") or "float32"
     compute = DTYPE_BYTES.get(dtype, 4)
-    # what one fetch moved, as the run counted it (the tiers may keep experts narrower than a slot)
+    # bytes per expert parameter one fetch moved, as the run counted it (the tiers may keep experts narrower than a slot)
     fetched = [r for r in bench["records"] if r.get("experts_fetched")]
-    moved = fetched[0]["transfer_bytes"] / fetched[0]["experts_fetched"] if fetched else shape.expert_params * compute
-    shape = as_run(shape, compute, moved / shape.expert_params)
+    stored = fetched[0]["transfer_bytes"] / fetched[0]["experts_fetched"] / shape.expert_params if fetched else compute
+    shape = as_run(shape, compute, stored)
     rows = []
     for rec in bench["records"]:
         if rec.get("kind") != "policy" or rec["policy"] == "auto" or rec.get("skipped"):

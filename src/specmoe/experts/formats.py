@@ -86,8 +86,6 @@ class ExpertFormat:
 
 
 class FloatFormat(ExpertFormat):
-    storage_dtype = torch.float32
-
     def __init__(self, spec: ExpertSpec, dtype: torch.dtype, stored: torch.dtype | None = None):
         self.spec, self.numel, self.compute_dtype = spec, spec.numel, dtype
         self.storage_dtype = stored or dtype
@@ -183,6 +181,11 @@ def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
     if config.expert_quant is not None:
         return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
     return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype))
+
+
+def checkpoint_format(ckpt: Checkpoint, dtype: torch.dtype, device=None) -> ExpertFormat:
+    """`expert_format` of this checkpoint, its experts' own dtype read from the first of them."""
+    return expert_format(ckpt.config, dtype, device, checkpoint_expert_dtype(ckpt))
 
 
 def checkpoint_expert_dtype(ckpt: Checkpoint) -> torch.dtype | None:

@@ -14,7 +14,7 @@ from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
-from ..experts.formats import checkpoint_expert_dtype, expert_format
+from ..experts.formats import checkpoint_format, expert_format
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -156,7 +156,7 @@ def render_info(info: dict) -> None:
 
 def _float_experts(ckpt, compute_dtype) -> str:
     """Where float experts are kept in which dtype (the offload tiers may keep the checkpoint's)."""
-    fmt = expert_format(ckpt.config, compute_dtype, None, checkpoint_expert_dtype(ckpt))
+    fmt = checkpoint_format(ckpt, compute_dtype)
     name = str(compute_dtype).removeprefix("torch.")
     return f"{ckpt.config.torch_dtype} checkpoint, computed in {name}" + (
         f", stored and moved in {fmt.name}" if fmt.converts else "")
