@@ -24,7 +24,7 @@ demo: install
 		--max-tokens 32 --policy specmoe --offload disk --device-memory 30% --batch-size 16 > /dev/null
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile tests
 
 # BENCHMARKS.md: every command behind it (about an hour on 2 cores; run on a quiet machine),
 # each writing one JSON into bench-results/, then every section rewritten from them.

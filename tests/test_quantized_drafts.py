@@ -95,7 +95,7 @@ def test_the_fused_int4_layout_computes_what_the_portable_format_does():
     assert float((k.select(1).linear(x) - ref).norm() / ref.norm()) < 1e-2  # bf16 activations
 
 
-@pytest.mark.parametrize("in_features", [128, 256, 40])
+@pytest.mark.parametrize("in_features", [128, 256, 48])
 def test_the_int8_kernel_layout_computes_what_the_portable_format_does(in_features):
     """One kernel call per matrix: the same codes and row scales (the scales and
     activations in bf16), so the same product up to bf16 rounding."""
@@ -103,8 +103,9 @@ def test_the_int8_kernel_layout_computes_what_the_portable_format_does(in_featur
     q = quantize_matrix(w, 8)
     k = device_layout(q, torch.device("cpu"))
     if not isinstance(k, Int8KernelMatrix):
-        pytest.skip("this torch has no CPU int8 matmul")
-    assert k.nbytes == q.nbytes and k.scratch_bytes(torch.float32) == 0
+        pytest.skip("the int8 kernel is not used on this machine (kernels.choose says why)")
+    # the same codes; each expert's 48 bf16 scales (96 bytes) padded to 128 to keep the next aligned
+    assert k.nbytes == 3 * (48 * in_features + 128) and k.scratch_bytes(torch.float32) == 0
     x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(7))
     for e in range(3):
         ref = q.select(e).linear(x)

@@ -13,7 +13,8 @@ offload tiers store and a fetch moves, and the layout a device-pool slot holds i
   transfer thread), to the layout of torch's fused int4 matmul, the kernel the quantized
   draft copies use: the expert then multiplies without dequantizing, every time it runs.
   Such a slot is the blob's size plus its scales once more (bfloat16 pairs of scale and
-  zero); what moves is still the blob.
+  zero); what moves is still the blob. Only where kernels.py lets both matrices' shapes
+  through on this machine (requirements, self-check); else the blob, dequantized.
 
 Every policy computes an expert through its format, so all of them compute the same
 numbers from the same bytes: their outputs are the resident (quantized) model's.
@@ -30,12 +31,12 @@ import torch.nn.functional as F
 
 from ..base.checkpoint import Checkpoint
 from ..base.config import ModelConfig
-from ..base.quantization import SECTION_ALIGN, ExpertQuant, MatrixQuant
+from ..base.quantization import ExpertQuant, MatrixQuant
 from ..base.quantized_tensors import FP4_VALUES, SCALE_DTYPES, expand_scales
 from ..base.specs import ExpertSpec
 from ..model.layers import as_dtype
 from ..model.moe import expert_forward, run_expert
-from .quant import INT4_KERNEL_GROUPS
+from .kernels import ALIGN, KernelChoice, Shape, choose, int4_mm, int4_pack
 
 
 class ExpertFormat:
@@ -47,6 +48,7 @@ class ExpertFormat:
     numel: int
     quant: ExpertQuant | None = None
     converts = False  # whether a slot holds another layout than the stored buffer
+    kernels: dict[str, str] = {}  # fused-kernel shape class -> fused or portable, and why
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +113,9 @@ class QuantizedFormat(ExpertFormat):
         self.sections = quant.sections()
         m = quant.w_in
         self.name = f"{quant.scheme}-{m.block_rows}x{m.group}-{m.scale_dtype}"
-        self.converts = device is not None and int4_kernel_takes(quant, torch.device(device), dtype)
+        choices = int4_kernel_choices(quant, torch.device(device), dtype) if device is not None else {}
+        self.kernels = {s.key: c.describe() for s, c in choices.items()}  # for the run statistics
+        self.converts = bool(choices) and all(c.fused for c in choices.values())
         self.slot_sections = _kernel_sections(quant) if self.converts else self.sections
 
     @property
@@ -119,7 +123,7 @@ class QuantizedFormat(ExpertFormat):
         if not self.converts:
             return self.numel
         offset, n = max(self.slot_sections.values())
-        return -(-(offset + n) // SECTION_ALIGN) * SECTION_ALIGN
+        return -(-(offset + n) // ALIGN) * ALIGN
 
     def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
         return ckpt.expert_blob(layer, expert)
@@ -149,7 +153,7 @@ class QuantizedFormat(ExpertFormat):
         def linear(name: str, m: MatrixQuant):
             packed = self.section(slot, f"{name}.packed", sec).view(m.rows, m.cols // 2)
             scales_zeros = self.section(slot, f"{name}.scales_zeros", sec).view(torch.bfloat16).view(-1, m.rows, 2)
-            return lambda t: torch.ops.aten._weight_int4pack_mm_for_cpu(t, packed, m.group, scales_zeros)
+            return lambda t: int4_mm(t, packed, m.group, scales_zeros)
 
         return expert_forward(self.spec, x, linear("w_in", q.w_in), linear("w_out", q.w_out), *self._biases(slot, x, sec))
 
@@ -272,13 +276,14 @@ def _fp4_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 # --- torch's fused int4 matmul (CPU, bfloat16) ------------------------------------------------
 
 
-def int4_kernel_takes(quant: ExpertQuant, device: torch.device, dtype: torch.dtype | None) -> bool:
-    """Whether both matrices go through the fused kernel: computing in bfloat16 on the CPU,
-    int4 codes with one bfloat16 scale per group of a row (the kernel's own arithmetic)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and all(m.codes == "int4" and m.block_rows == 1 and m.scale_dtype == "bfloat16"
-                    and m.group in INT4_KERNEL_GROUPS and m.cols % m.group == 0 and m.rows % 16 == 0
-                    for m in (quant.w_in, quant.w_out)))
+def int4_kernel_choices(quant: ExpertQuant, device: torch.device, dtype: torch.dtype | None) -> dict[Shape, KernelChoice]:
+    """Where the fused kernel's arithmetic is the format's (computing in bfloat16 on the CPU,
+    int4 codes with one bfloat16 scale per group of a row), whether kernels.py lets each
+    matrix's shape through on this machine; {} where the kernel does not apply at all."""
+    if not (device.type == "cpu" and dtype == torch.bfloat16 and all(
+            m.codes == "int4" and m.block_rows == 1 and m.scale_dtype == "bfloat16" for m in (quant.w_in, quant.w_out))):
+        return {}
+    return choose([Shape("int4", m.rows, m.cols, m.group) for m in (quant.w_in, quant.w_out)], device)
 
 
 def int4_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant):
@@ -287,12 +292,13 @@ def int4_kernel_layout(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant
     packed = codes.view(m.rows, m.cols // 2)
     unsigned = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(m.rows, m.cols).to(torch.int32)
     s = scales.view(torch.bfloat16).view(m.rows, m.cols // m.group).t()
-    return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1),
-            torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous())
+    return int4_pack(unsigned), torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()
 
 
 def _kernel_sections(quant: ExpertQuant) -> dict[str, tuple[int, int]]:
-    """A converted slot: per matrix the kernel's packed codes and (scale, zero) pairs, then the biases."""
+    """A converted slot: per matrix the kernel's packed codes and (scale, zero) pairs, then
+    the biases, each at a multiple of ALIGN bytes (the slot's size is one too, so in the
+    pool's aligned buffer every section the kernel reads is aligned)."""
     sizes = []
     for name, m in (("w_in", quant.w_in), ("w_out", quant.w_out)):
         sizes += [(f"{name}.packed", m.rows * m.cols // 2), (f"{name}.scales_zeros", m.rows * (m.cols // m.group) * 4)]
@@ -301,5 +307,5 @@ def _kernel_sections(quant: ExpertQuant) -> dict[str, tuple[int, int]]:
     out, offset = {}, 0
     for name, n in sizes:
         out[name] = (offset, n)
-        offset = -(-(offset + n) // SECTION_ALIGN) * SECTION_ALIGN
+        offset = -(-(offset + n) // ALIGN) * ALIGN
     return out

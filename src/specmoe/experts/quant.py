@@ -20,7 +20,8 @@ That format is what is cached and what `quant_report.quant_error_report` measure
 draft holds each matrix either in it (dequantized to the compute dtype once per call,
 then F.linear) or, on the CPU, in the layout of torch's fused int4 matmul
 (`Int4KernelMatrix`) or int8 matmul (`Int8KernelMatrix`): the same codes and scales,
-multiplied in bfloat16 without a dequantized copy.
+multiplied in bfloat16 without a dequantized copy, where kernels.py allows it (the
+shape meets the kernel's requirements and passed its self-check on this machine).
 
 Shapes: D hidden, I expert intermediate, E experts per block, n experts used.
 
@@ -38,6 +39,19 @@ from ..base.errors import SpecMoEError
 from ..base.specs import ExpertSpec
 from ..model.layers import as_dtype, expert_activation
 from ..model.moe import ExpertGroups, expert_forward, expert_views
+from .kernels import (
+    KernelChoice,
+    Shape,
+    aligned,
+    aligned_stack,
+    choose,
+    int4_mm,
+    int4_pack,
+    int8_mm,
+    padded,
+    stack_bytes,
+)
+from .packing import pack, packed_size, unpack
 
 QUANT_MODES = ("none", "int8", "int4", "int3")
 BITS = {"int8": 8, "int4": 4, "int3": 3}
@@ -62,57 +76,6 @@ def group_size(in_features: int, bits: int) -> int:
     if bits == 8:
         return in_features
     return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
-
-
-# --- packing (codes are unsigned, < 2**bits) ---------------------------------------------
-# Planar layouts, so that unpacking writes long contiguous runs (an interleaving stack
-# of two nibbles is ~10x slower on the CPU than the shifts themselves):
-#   int4: n codes -> n/2 bytes, byte i = code i | code (i + n/2) << 4   (two per byte)
-#   int3: n codes -> 3 planes of n/8 bytes; word i = plane0[i] | plane1[i] << 8 | plane2[i] << 16
-#         holds codes i, i + n/8, ..., i + 7n/8, three bits each
-# n is padded to a multiple of 8 (codes 0) before packing.
-
-
-def packed_size(n: int, bits: int) -> int:
-    """Bytes of n codes: int8 one each; packed modes 8 codes in `bits` bytes."""
-    return n if bits == 8 else -(-n // 8) * bits
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., n] -> packed uint8 [..., packed_size(n, bits)]."""
-    pad = -codes.shape[-1] % 8
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    if bits == 4:
-        lo, hi = codes.chunk(2, dim=-1)
-        return (lo | (hi << 4)).contiguous()
-    planes = codes.reshape(*codes.shape[:-1], 8, -1).to(torch.int32)  # [..., 8, n/8]
-    word = torch.zeros_like(planes[..., 0, :])
-    for j in range(8):
-        word |= planes[..., j, :] << (bits * j)
-    out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(bits)], dim=-2)  # [..., bits, n/8]
-    return out.to(torch.uint8).reshape(*codes.shape[:-1], -1).contiguous()
-
-
-def unpack(packed: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """Inverse of `pack`: the first n codes [..., n], converted to `dtype` on the way out."""
-    lead = packed.shape[:-1]
-    m = packed.shape[-1] * 8 // bits  # padded count
-    out = torch.empty(*lead, m, dtype=dtype, device=packed.device)
-    if bits == 4:
-        half = m // 2
-        out[..., :half].copy_(packed & 0x0F)
-        out[..., half:].copy_(packed >> 4)
-    else:
-        planes = packed.reshape(*lead, bits, m // 8).to(torch.int32)
-        word = planes[..., 0, :]
-        for k in range(1, bits):
-            word = word | (planes[..., k, :] << (8 * k))
-        mask = (1 << bits) - 1
-        view = out.view(*lead, 8, m // 8)
-        for j in range(8):
-            view[..., j, :].copy_((word >> (bits * j)) & mask)
-    return out[..., :n]
 
 
 # --- one matrix -----------------------------------------------------------------------------
@@ -167,20 +130,26 @@ class QuantizedMatrix:
         return self.out_features * self.in_features * torch.tensor([], dtype=dtype).element_size()
 
 
-# torch's fused int4 weight-only matmul on the CPU (the kernel behind gpt-fast's int4):
-# W = (q_u - 8) * s + z per group, bf16 activations. An order of magnitude faster than
-# unpacking and dequantizing in separate ops, and it needs no dequantized scratch.
-INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+# torch's fused weight-only matmuls on the CPU (kernels.py chooses where they may run):
+# int4, the kernel behind gpt-fast's int4, W = (q_u - 8) * s + z per group; int8, x times
+# int8 codes with one bfloat16 scale per output row (the int8 format's grid). Both take
+# bfloat16 activations, run without a dequantized copy, and are several times faster than
+# dequantizing a small expert per call.
 
 
-def int4_kernel_fits(device: torch.device, bits: int, out_features: int, group: int) -> bool:
-    return (torch.device(device).type == "cpu" and bits == 4 and out_features % 16 == 0
-            and group in INT4_KERNEL_GROUPS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+def kernel_shape(bits: int, out_features: int, in_features: int) -> Shape | None:
+    """The fused kernel's shape class for a matrix of this format, or None (no kernel takes int3)."""
+    if bits == 8:
+        return Shape("int8", out_features, in_features)
+    if bits == 4:
+        return Shape("int4", out_features, in_features, group_size(in_features, 4))
+    return None
 
 
 @dataclass(frozen=True)
 class Int4KernelMatrix:
-    """An int4 QuantizedMatrix in the layout of torch's CPU int4 matmul."""
+    """An int4 QuantizedMatrix in the layout of torch's CPU int4 matmul, each expert's
+    tensors 64-byte aligned."""
 
     packed: torch.Tensor  # uint8 [..., out, in / 2], torch's CPU int4pack layout
     scales_zeros: torch.Tensor  # bfloat16 [..., in / group, out, 2]: (scale, 0)
@@ -192,39 +161,31 @@ class Int4KernelMatrix:
         out = q.out_features
         lead = q.scales.shape[:-2]
         codes = unpack(q.data, 4, out * q.in_features).reshape(-1, out, q.in_features).to(torch.int32)
-        packed = torch.stack([torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1) for c in codes])
+        packed = torch.stack([int4_pack(c) for c in codes])
         scales = q.scales.to(torch.bfloat16).transpose(-1, -2)  # [..., groups, out]
         scales_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1)
-        return cls(packed.reshape(*lead, *packed.shape[1:]).contiguous(), scales_zeros.contiguous(), q.group,
-                   q.in_features)
+        packed, scales_zeros = packed.reshape(*lead, *packed.shape[1:]), scales_zeros.contiguous()
+        return cls(*(aligned_stack(t) if lead else aligned(t) for t in (packed, scales_zeros)), q.group, q.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+        stacked = self.packed.dim() == 3
+        return stack_bytes(self.packed, stacked) + stack_bytes(self.scales_zeros, stacked)
 
     def select(self, index) -> Int4KernelMatrix:
         return Int4KernelMatrix(self.packed[index], self.scales_zeros[index], self.group, self.in_features)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(as_dtype(x, torch.bfloat16), self.packed, self.group,
-                                                      self.scales_zeros)
-        return as_dtype(y, x.dtype)
+        return as_dtype(int4_mm(as_dtype(x, torch.bfloat16), self.packed, self.group, self.scales_zeros), x.dtype)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
 
-# torch's int8 weight-only matmul on the CPU: x (bf16) times int8 codes with one bf16
-# scale per output row (the int8 format's grid), one call, without a dequantized copy.
-# Several times faster than dequantizing a small expert per call.
-def int8_kernel_fits(device: torch.device, bits: int) -> bool:
-    return torch.device(device).type == "cpu" and bits == 8 and hasattr(torch.ops.aten, "_weight_int8pack_mm")
-
-
 @dataclass(frozen=True)
 class Int8KernelMatrix:
     """An int8 QuantizedMatrix in the layout of torch's CPU int8 matmul: the same codes,
-    the row scales in bfloat16."""
+    the row scales in bfloat16, each expert's codes and scales 64-byte aligned (`aligned_stack`)."""
 
     codes: torch.Tensor  # int8 [..., out, in]
     scales: torch.Tensor  # bfloat16 [..., out]
@@ -232,31 +193,36 @@ class Int8KernelMatrix:
 
     @classmethod
     def from_quantized(cls, q: QuantizedMatrix) -> Int8KernelMatrix:
-        return cls(q.data.contiguous(), q.scales.to(torch.bfloat16)[..., 0].contiguous(), q.in_features)
+        stacked = q.data.dim() == 3
+        codes, scales = q.data, q.scales.to(torch.bfloat16)[..., 0]
+        return cls(*(aligned_stack(t) if stacked else aligned(t) for t in (codes, scales)), q.in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+        stacked = self.codes.dim() == 3
+        return stack_bytes(self.codes, stacked) + stack_bytes(self.scales, stacked)
 
     def select(self, index) -> Int8KernelMatrix:
         return Int8KernelMatrix(self.codes[index], self.scales[index], self.in_features)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(as_dtype(x, torch.bfloat16), self.codes, self.scales)
-        return as_dtype(y, x.dtype)
+        return as_dtype(int8_mm(as_dtype(x, torch.bfloat16), self.codes, self.scales), x.dtype)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         return 0
 
 
-def device_layout(q: QuantizedMatrix, device) -> QuantizedMatrix | Int4KernelMatrix | Int8KernelMatrix:
-    """The matrix as the draft will hold it on `device`: a fused kernel's layout where one
-    applies (int4, int8 on the CPU), else the portable format (dequantized per call)."""
-    if int4_kernel_fits(device, q.bits, q.out_features, q.group):
-        return Int4KernelMatrix.from_quantized(q)
-    if int8_kernel_fits(device, q.bits):
-        return Int8KernelMatrix.from_quantized(q.to(device))
-    return q.to(device)
+def device_layout(q: QuantizedMatrix, device, choices: dict[Shape, KernelChoice] | None = None,
+                  ) -> QuantizedMatrix | Int4KernelMatrix | Int8KernelMatrix:
+    """The matrix as the draft will hold it on `device`: a fused kernel's layout where
+    `choices` (default: `kernels.choose` for this matrix) let it, else the portable
+    format (dequantized per call)."""
+    shape = kernel_shape(q.bits, q.out_features, q.in_features)
+    if shape is not None and choices is None:
+        choices = choose([shape], device)
+    if shape is None or not choices[shape].fused:
+        return q.to(device)
+    return Int4KernelMatrix.from_quantized(q) if q.bits == 4 else Int8KernelMatrix.from_quantized(q)
 
 
 def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
@@ -286,8 +252,8 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
 class QuantizedExpert:
     """One expert's (or, with a leading dim, several experts') quantized matrices."""
 
-    gate_up: QuantizedMatrix | Int4KernelMatrix  # [(n,) R, D]
-    down: QuantizedMatrix | Int4KernelMatrix  # [(n,) D, I]
+    gate_up: QuantizedMatrix | Int4KernelMatrix | Int8KernelMatrix  # [(n,) R, D]
+    down: QuantizedMatrix | Int4KernelMatrix | Int8KernelMatrix  # [(n,) D, I]
     b_in: torch.Tensor | None = None  # [(n,) R] float32, families with expert biases
     b_out: torch.Tensor | None = None  # [(n,) D]
 
@@ -300,10 +266,11 @@ class QuantizedExpert:
         b_in, b_out = (None if b is None else b[index] for b in (self.b_in, self.b_out))
         return QuantizedExpert(self.gate_up.select(index), self.down.select(index), b_in, b_out)
 
-    def to(self, device) -> QuantizedExpert:
-        """For the draft on `device` (the fused int4 layout where it applies)."""
+    def to(self, device, choices: dict[Shape, KernelChoice] | None = None) -> QuantizedExpert:
+        """For the draft on `device` (a fused kernel's layout where `choices` allow it)."""
         b_in, b_out = (None if b is None else b.to(device) for b in (self.b_in, self.b_out))
-        return QuantizedExpert(device_layout(self.gate_up, device), device_layout(self.down, device), b_in, b_out)
+        return QuantizedExpert(device_layout(self.gate_up, device, choices), device_layout(self.down, device, choices),
+                               b_in, b_out)
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Portable format only."""
@@ -327,6 +294,17 @@ def quantized_expert_forward(x: torch.Tensor, qexpert: QuantizedExpert, spec: Ex
     return expert_forward(spec, x, qexpert.gate_up.linear, qexpert.down.linear, b_in, b_out)
 
 
+def expert_matrices(spec: ExpertSpec) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(out, in) of an expert's two matrices: w_in [R, D] and w_out [D, I]."""
+    return (spec.in_rows, spec.hidden), (spec.hidden, spec.inter)
+
+
+def draft_kernel_choices(spec: ExpertSpec, mode: str, device) -> dict[Shape, KernelChoice]:
+    """Whether each matrix of a `mode` copy goes through a fused kernel on `device`, and why."""
+    shapes = [kernel_shape(BITS[mode], out, in_features) for out, in_features in expert_matrices(spec)]
+    return choose([s for s in shapes if s is not None], device)
+
+
 def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
     """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
     without building it: in the layout `device_layout` gives it on `device` (None: the
@@ -336,16 +314,17 @@ def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float
     bits, elem = BITS[mode], torch.tensor([], dtype=dtype).element_size()
     copy = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
     scratch = 0
-    for out, in_features in ((spec.in_rows, spec.hidden), (spec.hidden, spec.inter)):
-        group = group_size(in_features, bits)
-        groups = in_features // group
-        if device is not None and int4_kernel_fits(device, bits, out, group):
+    choices = draft_kernel_choices(spec, mode, device) if device is not None else {}
+    for out, in_features in expert_matrices(spec):
+        shape, groups = kernel_shape(bits, out, in_features), in_features // group_size(in_features, bits)
+        fused = shape in choices and choices[shape].fused
+        if fused and bits == 4:
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
+        elif fused:  # int8 kernel: the same codes and bfloat16 row scales, each 64-byte aligned
+            copy += padded(out * in_features, 1) + 2 * padded(out, 2)
         else:
-            # int8 kernel: the same codes, the scales in bfloat16 (as many bytes as float16)
             copy += packed_size(out * in_features, bits) + out * groups * torch.tensor([], dtype=SCALE_DTYPE).element_size()
-            if device is None or not int8_kernel_fits(device, bits):
-                scratch = max(scratch, out * in_features * elem)
+            scratch = max(scratch, out * in_features * elem)
     return copy, scratch
 
 
@@ -357,6 +336,7 @@ class QuantizedExperts:
         self.layers = layers
         self.spec = spec
         self._experts: dict[tuple[int, int], QuantizedExpert] = {}  # views, made once: a draft asks every pass
+        self.kernels: dict[str, str] = {}  # shape class -> fused or portable, and why (set by `to`)
         # the dtype the copies compute in whatever the input's (the fused kernels' bfloat16),
         # or None (the input's): the draft converts a block's input once, not per expert
         kernels = all(isinstance(m, (Int4KernelMatrix, Int8KernelMatrix)) for q in layers.values()
@@ -377,7 +357,13 @@ class QuantizedExperts:
         return self._experts[layer, e]
 
     def to(self, device) -> QuantizedExperts:
-        return QuantizedExperts(self.mode, {l: q.to(device) for l, q in self.layers.items()}, self.spec)
+        """On `device`, in the layouts `kernels.choose` allows there (one self-check for all shapes)."""
+        shapes = {kernel_shape(m.bits, m.out_features, m.in_features) for q in self.layers.values()
+                  for m in (q.gate_up, q.down)} - {None}
+        choices = choose(sorted(shapes, key=lambda s: s.key), device)
+        moved = QuantizedExperts(self.mode, {l: q.to(device, choices) for l, q in self.layers.items()}, self.spec)
+        moved.kernels = {s.key: c.describe() for s, c in choices.items()}
+        return moved
 
     def block_outputs(self, layer: int, x: torch.Tensor, groups: ExpertGroups,
                       skip: set[int] = frozenset()) -> list[torch.Tensor | None]:

@@ -133,7 +133,11 @@ class Policy:
 
     def stats(self) -> dict:
         """Policy counters merged into the run statistics."""
-        return {"transfer_bytes": 0, "cache_hit_rate": 1.0}
+        return {"transfer_bytes": 0, "cache_hit_rate": 1.0, "fused_kernels": self.fused_kernels()}
+
+    def fused_kernels(self) -> dict[str, str]:
+        """Per fused-kernel shape class the experts use: fused or portable, and why (kernels.py)."""
+        return {f"experts {key}": why for key, why in self.runtime.expert_format.kernels.items()}
 
     def close(self) -> None:
         pass

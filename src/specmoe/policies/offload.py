@@ -63,6 +63,7 @@ class OffloadPolicy(Policy):
             "offload_read_s": self.store.read_s,
             "host_expert_tokens": counters.host_tokens,
             "activation_bytes": counters.activation_bytes,
+            "fused_kernels": self.fused_kernels(),
             **self._stack_bytes(),
         }
 

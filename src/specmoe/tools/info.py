@@ -15,6 +15,7 @@ from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_format, expert_format
+from ..experts.quant import draft_kernel_choices, draft_modes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -87,6 +88,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             encoder_moe_blocks=list(c.encoder_moe_layer_ids), decoder_moe_blocks=list(c.draft_layer_ids),
             decoder_start_token_id=c.seq2seq.decoder_start_token_id,
         )
+    info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device))
     if draft_quant and draft_quant != "none":
         # relative L2 error of each block's expert outputs with quantized copies (random inputs)
         info["draft_quant_error"] = {
@@ -112,6 +114,15 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["experts_fit_per_block"] = per_block
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
     return info
+
+
+def fused_kernels(c, compute_dtype, device) -> dict[str, str]:
+    """Which matrices would go through torch's fused CPU kernels here, and why not where not:
+    the checkpoint's own int4 experts, and the int8 and int4 draft copies (kernels.py)."""
+    report = {f"experts {key}": why for key, why in expert_format(c, compute_dtype, device).kernels.items()}
+    for mode in draft_modes(c.expert_quant):
+        report.update({f"draft {s.key}": k.describe() for s, k in draft_kernel_choices(c.expert, mode, device).items()})
+    return report
 
 
 def _attention_summary(c) -> str:

@@ -131,6 +131,8 @@ class SpecMoEPolicy(OffloadPolicy):
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
             prefetch_recall=self.prefetch_hits / self.prefetch_needed if self.prefetch_needed else None,
         )
+        if self.quantized is not None:
+            s["fused_kernels"] = {**s["fused_kernels"], **{f"draft {k}": v for k, v in self.quantized.kernels.items()}}
         return s
 
     # --- passes --------------------------------------------------------------------------

@@ -1,0 +1,266 @@
+"""The fused-kernel guard (experts/kernels.py): which matrices may go through torch's
+private CPU int8 / int4 matmuls, on what memory, after which self-check; and the draft
+paths that crashed on AVX-512 machines (K not a multiple of 16, weights loaded back from
+the quantized-copies cache at unaligned offsets), checked against the portable path.
+
+The guard's decisions are tested directly, so that they are tested on any CPU; the
+end-to-end tests would segfault on an AVX-512 machine without the guard."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from factories import random_prompts
+
+from specmoe import LLM, SamplingParams
+from specmoe.base.errors import SpecMoEError
+from specmoe.experts import kernel_check, kernels, quant
+from specmoe.experts.kernels import ALIGN, Shape
+from specmoe.experts.quant import Int8KernelMatrix, QuantizedMatrix, device_layout, quantize_matrix
+
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def unaligned(t: torch.Tensor, offset: int = 8) -> torch.Tensor:
+    """A copy of t whose data starts `offset` bytes past a 64-byte boundary, as a tensor
+    read back from a safetensors file can."""
+    raw = torch.empty(t.numel() * t.element_size() + 2 * ALIGN, dtype=torch.uint8)
+    start = (-raw.data_ptr() % ALIGN) + offset
+    view = raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % ALIGN == offset
+    return view
+
+
+def portable(q: QuantizedMatrix, e: int, x: torch.Tensor) -> torch.Tensor:
+    return q.select(e).linear(x)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# --- memory the kernels are handed ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 48, 32), (5, 7, 16), (2, 3)], ids=["48x32", "7x16", "1-d rows"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_aligned_stack_starts_every_expert_on_a_64_byte_boundary(shape, dtype):
+    t = unaligned((torch.randn(shape) * 50).to(dtype))
+    s = kernels.aligned_stack(t)
+    assert torch.equal(s, t)
+    for e in range(shape[0]):
+        assert s[e].is_contiguous() and s[e].data_ptr() % ALIGN == 0
+    per = kernels.padded(t[0].numel(), t.element_size())
+    assert kernels.stack_bytes(s, stacked=True) == shape[0] * per * t.element_size()
+
+
+def test_an_unaligned_matrix_is_copied_and_an_aligned_one_kept():
+    t = torch.randn(16, 64).to(torch.bfloat16)
+    assert kernels.aligned(t) is t
+    moved = unaligned(t, 16)
+    copy = kernels.aligned(moved)
+    assert copy.data_ptr() % ALIGN == 0 and torch.equal(copy, t)
+
+
+def test_the_kernel_calls_refuse_unaligned_weights_instead_of_crashing():
+    codes = unaligned(torch.randint(-127, 127, (64, 64), dtype=torch.int8))
+    scales = torch.ones(64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="64-byte aligned"):
+        kernels.int8_mm(torch.randn(16, 64).bfloat16(), codes, scales)
+
+
+def test_weights_loaded_at_an_unaligned_offset_reach_the_int8_kernel_aligned(monkeypatch):
+    """A stacked int8 matrix whose codes and scales start 8 bytes off (a cache file's
+    tensors): every expert's view the kernel sees is aligned, and computes the portable result."""
+    q = quantize_matrix(torch.randn(4, 48, 64, generator=torch.Generator().manual_seed(1)) * 0.1, 8)
+    moved = QuantizedMatrix(unaligned(q.data), unaligned(q.scales, 24), 8, 64)
+    seen = []
+    original = kernels.int8_mm
+
+    def watch(x, codes, scales):
+        seen.append((codes.data_ptr() % ALIGN, scales.data_ptr() % ALIGN, codes.is_contiguous()))
+        return original(x, codes, scales)
+
+    monkeypatch.setattr(quant, "int8_mm", watch)
+    k = device_layout(moved, CPU)
+    if not isinstance(k, Int8KernelMatrix):
+        pytest.skip(f"the int8 kernel is not used on this machine: {kernels.choose([Shape('int8', 48, 64)], CPU)}")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    for e in range(4):
+        assert rel(k.select(e).linear(x), portable(q, e, x)) < 1e-2
+    assert seen == [(0, 0, True)] * 4
+
+
+# --- which shapes, which machine ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_features", [8, 24, 40, 136])
+def test_an_int8_matrix_whose_k_is_not_a_multiple_of_16_takes_the_portable_path(in_features):
+    q = quantize_matrix(torch.randn(3, 32, in_features, generator=torch.Generator().manual_seed(3)), 8)
+    choice = kernels.choose([Shape("int8", 32, in_features)], CPU)[Shape("int8", 32, in_features)]
+    assert not choice.fused and f"K = {in_features}" in choice.why
+    layout = device_layout(unaligned_matrix(q), CPU)
+    assert isinstance(layout, QuantizedMatrix)
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(layout.select(1).linear(x), portable(q, 1, x))
+
+
+def unaligned_matrix(q: QuantizedMatrix) -> QuantizedMatrix:
+    return QuantizedMatrix(unaligned(q.data), unaligned(q.scales), q.bits, q.in_features)
+
+
+@pytest.mark.parametrize("shape,why", [
+    (Shape("int4", 40, 128, 32), "N = 40"),
+    (Shape("int4", 64, 96, 24), "group 24"),
+    (Shape("int8", 64, 24), "K = 24"),
+], ids=["int4-rows", "int4-group", "int8-k"])
+def test_shapes_a_kernel_cannot_take_are_refused_before_any_check(shape, why):
+    assert why in kernels.requirement(shape)
+    assert kernels.requirement(Shape("int8", 64, 64)) is None
+
+
+def test_fused_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "off")
+    choice = kernels.choose([Shape("int8", 64, 64)], CPU)[Shape("int8", 64, 64)]
+    assert not choice.fused and "SPECMOE_FUSED_KERNELS=off" in choice.why
+    assert isinstance(device_layout(quantize_matrix(torch.randn(64, 64), 8), CPU), QuantizedMatrix)
+    monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "maybe")
+    with pytest.raises(SpecMoEError, match="SPECMOE_FUSED_KERNELS='maybe'.*'off'"):
+        kernels.choose([Shape("int8", 64, 64)], CPU)
+
+
+def test_off_the_cpu_no_fused_kernel_is_chosen():
+    choice = kernels.choose([Shape("int8", 64, 64)], torch.device("meta"))[Shape("int8", 64, 64)]
+    assert not choice.fused
+
+
+# --- the self-check ---------------------------------------------------------------------------------
+
+
+def child(script: str) -> list[str]:
+    return [sys.executable, "-c", "import json, os, signal, sys\ncases = json.loads(sys.argv[1])['cases']\n" + script]
+
+
+CRASHES_ON_64 = child("""
+for i, c in enumerate(cases):
+    print(json.dumps({"begin": i}), flush=True)
+    if c["in"] == 64:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    print(json.dumps({"case": i, "error": 0.001}), flush=True)
+""")
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_kernel_that_crashes_its_self_check_is_not_used_and_a_warning_says_so(fresh_cache, capsys):
+    shapes = [Shape("int8", 32, 32), Shape("int8", 32, 64), Shape("int8", 32, 128)]
+    got = kernels.verdicts(shapes, child=CRASHES_ON_64)
+    assert got[shapes[1]] == (False, "self-check crashed (signal 11)")
+    assert got[shapes[0]][0] and got[shapes[2]][0]  # the cases after the crash ran in a fresh child
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "int8 N=32 K=64" in err and "crashed" in err
+    # kept for this machine: the engine's choice now reads the verdict, no child runs
+    choice = kernels.choose([shapes[1]], CPU)[shapes[1]]
+    assert not choice.fused and choice.describe() == "portable: self-check crashed (signal 11)"
+    kept = json.loads((fresh_cache / "kernels.json").read_text())
+    assert kept[kernels.machine()]["int8 N=32 K=64"]["fused"] is False
+
+
+def test_a_kernel_that_computes_wrong_numbers_is_not_used(fresh_cache):
+    wrong = child("""
+print(json.dumps({"begin": 0}), flush=True)
+print(json.dumps({"case": 0, "error": 0.31}), flush=True)
+print(json.dumps({"begin": 1}), flush=True)
+print(json.dumps({"case": 1, "error": None}), flush=True)
+""")
+    shapes = [Shape("int8", 32, 32), Shape("int4", 32, 64, 64)]
+    got = kernels.verdicts(shapes, child=wrong)
+    assert got[shapes[0]] == (False, "self-check: relative error 0.31 against the dequantizing path")
+    assert got[shapes[1]] == (False, "self-check: the result is not finite")
+
+
+def test_a_self_check_that_cannot_start_disables_every_shape_it_was_given(fresh_cache):
+    shapes = [Shape("int8", 32, 32), Shape("int8", 64, 32)]
+    got = kernels.verdicts(shapes, child=[sys.executable, "-c", "import sys; sys.exit('no torch here')"])
+    assert all(not ok and "could not run" in why and "no torch here" in why for ok, why in got.values())
+
+
+def test_a_damaged_verdict_file_is_ignored_and_rebuilt(fresh_cache, capsys):
+    fresh_cache.mkdir(parents=True)
+    (fresh_cache / "kernels.json").write_text(json.dumps({kernels.machine(): {"int8 N=32 K=32": {"fused": "yes"}}}))
+    got = kernels.verdicts([Shape("int8", 32, 32)], child=CRASHES_ON_64)
+    assert got[Shape("int8", 32, 32)] == (True, "self-check passed (relative error 1.0e-03)")
+    assert "ignoring" in capsys.readouterr().err
+    assert json.loads((fresh_cache / "kernels.json").read_text())[kernels.machine()]["int8 N=32 K=32"]["fused"]
+
+
+def test_the_self_check_tells_a_wrong_kernel_from_a_right_one():
+    """kernel_check's comparison, in this process with stand-in kernels: garbage, NaN and
+    a product off by one bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randn(32, 64, generator=gen)
+    right = kernel_check.relative_error(lambda x: x @ weights.bfloat16().t(), weights, gen)
+    garbage = kernel_check.relative_error(lambda x: torch.randn(x.shape[0], 32, generator=gen), weights, gen)
+    nan = kernel_check.relative_error(lambda x: torch.full((x.shape[0], 32), float("nan")), weights, gen)
+    assert right < kernels.TOLERANCE < garbage and nan == float("inf")
+
+
+def test_the_real_self_check_runs_the_kernels_in_a_child_here(fresh_cache):
+    shapes = [Shape("int8", 64, 64), Shape("int4", 64, 128, 64)]
+    got = kernels.verdicts(shapes)
+    for ok, why in got.values():
+        assert why.startswith("self-check"), why  # a verdict from the kernel itself, not "could not run"
+    assert (fresh_cache / "kernels.json").is_file()
+
+
+# --- the draft paths that crashed ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k24_checkpoint(tiny_ckpt):
+    """The tiny Mixtral: hidden 32 (int8 kernel), experts 24 wide (down's K = 24: portable)."""
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(6, 128, 3, 10, seed=7)
+    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=40)
+    ref.generate(prompts, GREEDY)
+    ref.close()
+    return path, prompts, ref.last_stats["token_ids_sha256"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_second_run_from_the_copies_cache_gives_residents_tokens(k24_checkpoint, tmp_path, mode, monkeypatch):
+    """The path that segfaulted: the second run reads the copies back from their
+    safetensors cache file; every tensor a fused kernel is handed is aligned."""
+    path, prompts, sha = k24_checkpoint
+    handed = []
+    for name in ("int8_mm", "int4_mm"):
+        original = getattr(kernels, name)
+
+        def watch(x, w, *rest, _original=original):
+            handed.append(all(t.data_ptr() % ALIGN == 0 for t in (w, rest[-1])))
+            return _original(x, w, *rest)
+
+        monkeypatch.setattr(quant, name, watch)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=str(path), device="cpu", policy="specmoe", offload="host", draft_quant=mode, gamma=3,
+                  offload_dir=str(tmp_path), max_batch_size=6, max_model_len=40)
+        llm.generate(prompts, GREEDY)
+        runs.append(llm.last_stats)
+        llm.close()
+    assert [r["token_ids_sha256"] for r in runs] == [sha, sha]
+    assert len(list(tmp_path.glob(f"quant-*-{mode}-*.safetensors"))) == 1  # the second run read it back
+    kernels_used = runs[1]["fused_kernels"]
+    if mode == "int8":
+        assert kernels_used["draft int8 N=32 K=24"].startswith("portable: K = 24")
+    fused = [key for key, why in kernels_used.items() if why.startswith("fused")]
+    assert all(handed) and bool(handed) == bool(fused)
