@@ -194,6 +194,16 @@ def test_a_self_check_that_cannot_start_disables_every_shape_it_was_given(fresh_
     assert all(not ok and "could not run" in why and "no torch here" in why for ok, why in got.values())
 
 
+def test_a_self_check_that_hangs_is_stopped_and_counts_as_failed(fresh_cache, monkeypatch):
+    monkeypatch.setattr(kernels, "CHECK_TIMEOUT_S", 2)
+    hangs = child("""
+print(json.dumps({"begin": 0}), flush=True)
+import time; time.sleep(60)
+""")
+    got = kernels.verdicts([Shape("int8", 32, 32)], child=hangs)
+    assert got[Shape("int8", 32, 32)] == (False, "self-check timed out after 2 s")
+
+
 def test_a_damaged_verdict_file_is_ignored_and_rebuilt(fresh_cache, capsys):
     fresh_cache.mkdir(parents=True)
     (fresh_cache / "kernels.json").write_text(json.dumps({kernels.machine(): {"int8 N=32 K=32": {"fused": "yes"}}}))
@@ -264,3 +274,23 @@ def test_the_second_run_from_the_copies_cache_gives_residents_tokens(k24_checkpo
         assert kernels_used["draft int8 N=32 K=24"].startswith("portable: K = 24")
     fused = [key for key, why in kernels_used.items() if why.startswith("fused")]
     assert all(handed) and bool(handed) == bool(fused)
+
+
+def test_the_machine_section_names_the_shapes_that_passed_and_why_others_did_not():
+    from specmoe.bench.tables import fused_kernels
+
+    line = fused_kernels({"int8 N=256 K=256": "fused: self-check passed (relative error 2.0e-03)",
+                          "int8 N=2048 K=2048": "portable: self-check crashed (signal 11)",
+                          "int4 N=256 K=256 group=128": "fused: self-check passed (relative error 1.7e-03)"})
+    assert line == ("int8: passed N=256 K=256; N=2048 K=2048 portable: self-check crashed (signal 11) · "
+                    "int4: passed N=256 K=256 group=128")
+
+
+def test_calibrate_reports_the_kernels_for_the_demo_and_a_real_size_expert(fresh_cache):
+    from specmoe.tools.calibrate import fused_kernel_report
+
+    report = fused_kernel_report()
+    assert set(report) == {"int8 N=256 K=256", "int8 N=256 K=128", "int8 N=4096 K=2048", "int8 N=2048 K=2048",
+                           "int4 N=256 K=256 group=128", "int4 N=256 K=128 group=128",
+                           "int4 N=4096 K=2048 group=128", "int4 N=2048 K=2048 group=128"}
+    assert all(why.startswith(("fused: self-check", "portable: self-check")) for why in report.values())

@@ -240,7 +240,20 @@ def calibration(doc: dict) -> str:
              ("one expert fetch", _f(m.get("engine_fetch_s"), "{:.2f} ms", "–") if m.get("engine_fetch_s") is None
               else f"{m['engine_fetch_s'] * 1e3:.2f} ms ({m['engine_fetch_expert_bytes'] / 2**10:.0f} KiB)"),
              ("engine fit error (rms)", _f(m.get("engine_fit_rms_rel_error"), "{:.0%}"))]
+    if "fused_kernels" in doc:
+        items.append(("torch's fused CPU kernels (self-check here)", fused_kernels(doc["fused_kernels"])))
     return md_table(["calibrated", "value"], [[k, v] for k, v in items]) + "\n"
+
+
+def fused_kernels(report: dict[str, str]) -> str:
+    """'int8 passed N x K 256x256, 4096x2048; int4 ...', a failing shape with its reason."""
+    parts = []
+    for kernel in ("int8", "int4"):
+        rows = {k.split(" ", 1)[1]: why for k, why in report.items() if k.startswith(kernel + " ")}
+        passed = [shape for shape, why in rows.items() if why.startswith("fused")]
+        failed = [f"{shape} {why}" for shape, why in rows.items() if not why.startswith("fused")]
+        parts.append(f"{kernel}: " + "; ".join(([f"passed {', '.join(passed)}"] if passed else []) + failed))
+    return " · ".join(parts)
 
 
 # --- benchmarks/profile_passes.py --------------------------------------------------------------------

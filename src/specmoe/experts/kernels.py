@@ -169,9 +169,11 @@ def self_check(shapes: list[Shape], child: list[str] | None = None) -> dict[Shap
         try:
             run = subprocess.run([*argv, request], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
             lines, code, stderr = run.stdout.splitlines(), run.returncode, run.stderr
-        except subprocess.TimeoutExpired as exc:
-            lines, code, stderr = (exc.stdout or b"").decode(errors="replace").splitlines(), None, ""
-        started, errors = _parse(lines)
+        except subprocess.TimeoutExpired as exc:  # what it printed comes back as bytes
+            printed = exc.stdout or b""
+            lines = (printed.decode(errors="replace") if isinstance(printed, bytes) else printed).splitlines()
+            code, stderr = None, ""
+        started, errors = _parse(lines, len(rest))
         out.update({rest[i]: _verdict(err) for i, err in errors.items()})
         broken = next((i for i in sorted(started) if i not in errors), None)
         if broken is not None:
@@ -191,16 +193,19 @@ def _verdict(err: float | None) -> tuple[bool, str]:
     return True, f"self-check passed (relative error {err:.1e})"
 
 
-def _parse(lines: list[str]) -> tuple[set[int], dict[int, float | None]]:
+def _parse(lines: list[str], cases: int) -> tuple[set[int], dict[int, float | None]]:
+    """(cases begun, error per case finished) from the child's lines; anything else is ignored."""
     started, errors = set(), {}
     for line in lines:
         try:
             msg = json.loads(line)
         except ValueError:
             continue
-        if isinstance(msg, dict) and isinstance(msg.get("begin"), int):
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("begin") in range(cases):
             started.add(msg["begin"])
-        elif isinstance(msg, dict) and isinstance(msg.get("case"), int):
+        elif msg.get("case") in range(cases):
             err = msg.get("error")
             errors[msg["case"]] = float(err) if isinstance(err, (int, float)) else None
     return started, errors

@@ -7,10 +7,13 @@ import json
 from pathlib import Path
 
 from ..autotune.calibrate import calibrate, disk_variant
+from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, os_failure
-from ..base.paths import cache_dir
+from ..base.paths import DEMO_MODEL_DIR, cache_dir
 from ..base.units import format_rate, parse_size
 from ..costmodel.hardware import builtin_profile_names, save_profile
+from ..experts.kernels import choose
+from ..experts.quant import expert_matrices, kernel_shape
 
 
 class CalibrateError(SpecMoEError):
@@ -51,8 +54,10 @@ def run_calibrate(args) -> int:
         raise
     except ValueError as e:  # a measurement the fit cannot use
         raise CalibrateError(str(e)) from None
+    kernels = fused_kernel_report()
     if args.json:
-        print(json.dumps({"profile": profile.to_dict(), "measurements": m, "path": str(path)}, indent=2))
+        print(json.dumps({"profile": profile.to_dict(), "measurements": m, "path": str(path),
+                          "fused_kernels": kernels}, indent=2))
     else:
         print(f"disk read {format_rate(m['disk_read_bw'])} ({m['disk_method']}, "
               f"{m['disk_best_chunk'] >> 20} MiB reads), host memory {format_rate(m['host_mem_bw'])}, "
@@ -68,7 +73,21 @@ def run_calibrate(args) -> int:
                   f"{m['engine_device_matmul_flops'] / 1e9:.0f} GFLOP/s attained; fit error "
                   f"{m['engine_fit_rms_rel_error']:.0%} rms over {m['engine_fit_passes']} passes"
                   + (f"; an expert fetch costs {m['engine_fetch_s'] * 1e3:.2f} ms" if "engine_fetch_s" in m else ""))
+        print("torch's fused CPU kernels here: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))
         print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
         if extra:
             print(f"saved profile {profile.name}-disk (experts on this disk) to {extra}")
     return 0
+
+
+# A real-size expert (hidden 2048, 2048 wide, gated): its two matrices, N x K.
+REAL_SIZE_MATRICES = ((4096, 2048), (2048, 2048))
+
+
+def fused_kernel_report() -> dict[str, str]:
+    """Whether torch's fused int8 and int4 CPU kernels take the demo model's draft matrices
+    and a real-size expert's on this machine (kernels.py: requirements, then a self-check
+    in a child process); shape class -> fused or portable, and why."""
+    matrices = (*expert_matrices(Checkpoint(DEMO_MODEL_DIR).config.expert), *REAL_SIZE_MATRICES)
+    shapes = [kernel_shape(bits, out, inp) for bits in (8, 4) for out, inp in matrices]
+    return {s.key: c.describe() for s, c in choose(shapes, "cpu").items()}
