@@ -19,7 +19,7 @@ from specmoe import LLM, SamplingParams
 from specmoe.base.errors import SpecMoEError
 from specmoe.experts import kernel_check, kernels, quant
 from specmoe.experts.kernels import ALIGN, Shape
-from specmoe.experts.quant import Int8KernelMatrix, QuantizedMatrix, device_layout, quantize_matrix
+from specmoe.experts.quant import Int4KernelMatrix, Int8KernelMatrix, QuantizedMatrix, device_layout, quantize_matrix
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -108,6 +108,22 @@ def test_an_int8_matrix_whose_k_is_not_a_multiple_of_16_takes_the_portable_path(
     assert isinstance(layout, QuantizedMatrix)
     x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(4))
     assert torch.equal(layout.select(1).linear(x), portable(q, 1, x))
+
+
+@pytest.mark.parametrize("in_features,fused", [(40, False), (128, True)], ids=["K=40", "K=128"])
+def test_int4_copies_read_back_unaligned_compute_what_the_portable_format_does(in_features, fused):
+    """int4 with K = 40 has no kernel group (its group is the whole row): portable. With
+    K = 128 the kernel's layout is rebuilt in fresh, aligned storage whatever the codes' offset."""
+    q = quantize_matrix(torch.randn(3, 32, in_features, generator=torch.Generator().manual_seed(5)) * 0.1, 4)
+    layout = device_layout(unaligned_matrix(q), CPU)
+    shape = Shape("int4", 32, in_features, q.group)
+    assert isinstance(layout, Int4KernelMatrix) == (fused and kernels.choose([shape], CPU)[shape].fused)
+    if isinstance(layout, Int4KernelMatrix):
+        for e in range(3):
+            assert kernels.is_aligned(layout.select(e).packed) and kernels.is_aligned(layout.select(e).scales_zeros)
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(6))
+    for e in range(3):
+        assert rel(layout.select(e).linear(x), portable(q, e, x)) < 1e-2
 
 
 def unaligned_matrix(q: QuantizedMatrix) -> QuantizedMatrix:
@@ -294,3 +310,18 @@ def test_calibrate_reports_the_kernels_for_the_demo_and_a_real_size_expert(fresh
                            "int4 N=256 K=256 group=128", "int4 N=256 K=128 group=128",
                            "int4 N=4096 K=2048 group=128", "int4 N=2048 K=2048 group=128"}
     assert all(why.startswith(("fused: self-check", "portable: self-check")) for why in report.values())
+
+
+def test_the_real_size_section_says_whether_each_run_exited_and_matched_resident():
+    from specmoe.bench.tables import kernel_guard
+
+    run = {"exit_status": 0, "wall_s": 40.2, "peak_rss_bytes": 5 << 30, "decode_tokens_per_s": 25.0}
+    doc = {"batch_size": 16, "max_tokens": 32, "runs": [
+        {**run, "run": "resident", "token_ids_sha256": "a", "fused_kernels": {}},
+        {**run, "run": "specmoe, first run", "token_ids_sha256": "a",
+         "fused_kernels": {"draft int8 N=4096 K=2048": "fused: self-check passed (relative error 1.7e-03)"}},
+        {**run, "run": "specmoe, from the caches", "exit_status": -11, "token_ids_sha256": None, "fused_kernels": {}}]}
+    rows = kernel_guard(doc).splitlines()[4:]
+    assert rows[0] == "| resident | 0 | 40 s | 5.00 GiB | 25.0 | – | – |"
+    assert rows[1].endswith("| yes | int8: passed N=4096 K=2048 |")
+    assert rows[2].startswith("| specmoe, from the caches | -11 |") and "| NO |" in rows[2]

@@ -252,7 +252,8 @@ def fused_kernels(report: dict[str, str]) -> str:
         rows = {k.split(" ", 1)[1]: why for k, why in report.items() if k.startswith(kernel + " ")}
         passed = [shape for shape, why in rows.items() if why.startswith("fused")]
         failed = [f"{shape} {why}" for shape, why in rows.items() if not why.startswith("fused")]
-        parts.append(f"{kernel}: " + "; ".join(([f"passed {', '.join(passed)}"] if passed else []) + failed))
+        if rows:
+            parts.append(f"{kernel}: " + "; ".join(([f"passed {', '.join(passed)}"] if passed else []) + failed))
     return " · ".join(parts)
 
 
@@ -294,3 +295,19 @@ def profile_categories(before: dict, after: dict) -> str:
             cells.append(f"{_f(was, '{:.0%}')} → {_f(now, '{:.0%}')}")
         rows.append([key[0], str(key[1]), *cells])
     return md_table(["unit", "B", *categories], rows) + "\n"
+
+
+# --- benchmarks/kernel_guard.py -------------------------------------------------------------------------
+
+
+def kernel_guard(doc: dict) -> str:
+    """Each run's exit status, time, peak RSS, tokens against resident's, and the draft's kernels."""
+    runs = doc["runs"]
+    reference = runs[0]["token_ids_sha256"]
+    rows = [[r["run"], str(r["exit_status"]), _f(r["wall_s"], "{:.0f} s"), f"{r['peak_rss_bytes'] / 2**30:.2f} GiB",
+             _f(r.get("decode_tokens_per_s")),
+             "–" if r is runs[0] else ("yes" if r["token_ids_sha256"] == reference else "NO"),
+             fused_kernels({k.split(" ", 1)[1]: v for k, v in r["fused_kernels"].items()}) if r["fused_kernels"] else "–"]
+            for r in runs]
+    header = ["run", "exit", "wall", "peak RSS", "decode tok/s", "tokens = resident's", "fused kernels"]
+    return (f"B = {doc['batch_size']}, {doc['max_tokens']} tokens, held-out prompts.\n\n" + md_table(header, rows) + "\n")
