@@ -538,6 +538,21 @@ def hf_greedy_reference(path, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
+def require_compressed_tensors():
+    """The compressed-tensors library, or a skip where the quant extra cannot install it
+    (Python < 3.11: on tests/skip_allowlist.txt). Missing anywhere else, it is an error."""
+    import sys
+
+    if sys.version_info < (3, 11):
+        import pytest
+
+        pytest.skip("compressed-tensors needs Python >= 3.11 (the quant extra installs it only there)",
+                    allow_module_level=True)
+    import compressed_tensors
+
+    return compressed_tensors
+
+
 def random_prompts(n: int, vocab: int = VOCAB, min_len: int = 3, max_len: int = 24, seed: int = 0):
     """``n`` prompts of pairwise different lengths in [min_len, max_len], no special ids."""
     if max_len - min_len + 1 < n:
