@@ -82,6 +82,56 @@ def damaged_ckpt(tiny_ckpt, tmp_path):
     return get
 
 
+def _takes_o_direct(directory: Path) -> str | None:
+    """None when a file in `directory` opens and reads with O_DIRECT (as the disk tier reads), else why not."""
+    import mmap
+
+    probe = directory / "o-direct-probe"
+    try:
+        probe.write_bytes(bytes(4096))
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [mmap.mmap(-1, 4096)], 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"{directory}: {exc.strerror}"
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+@pytest.fixture
+def direct_io_dir(tmp_path):
+    """A fresh directory whose file system takes O_DIRECT: tmp_path, else one in the checkout
+    (.cache/, ignored by git) or in the home directory, where /tmp is a tmpfs that refuses it.
+    Only where none does, a skip (never on the allowlist: CI fails, loudly)."""
+    import shutil
+    import tempfile
+
+    if not hasattr(os, "O_DIRECT") or not os.path.exists("/proc/self/io"):
+        pytest.skip("O_DIRECT and /proc/self/io are Linux's")
+    refused = []
+    for parent in (None, Path(__file__).resolve().parents[1] / ".cache", Path.home() / ".cache"):
+        try:
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            directory = tmp_path if parent is None else Path(tempfile.mkdtemp(prefix="direct-io-", dir=parent))
+        except OSError as exc:
+            refused.append(f"{parent}: {exc.strerror}")
+            continue
+        why = _takes_o_direct(directory)
+        if why is None:
+            yield directory
+            if parent is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+            return
+        refused.append(why)
+        if parent is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+    pytest.skip(f"no directory here takes O_DIRECT ({'; '.join(refused)})")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):
     """Expert files, affinity tables and calibrated profiles go to a per-run directory."""
