@@ -5,8 +5,10 @@ ledger), and clear errors for budgets and names that cannot work."""
 import re
 
 import pytest
+import torch
 from factories import (
     BOOKKEEPING_ALLOWANCE,
+    _cached_model,
     assert_policy_run_is_exact,
     expert_share_budget,
     install_fixed_profile,
@@ -19,6 +21,7 @@ from specmoe.base.units import parse_size
 
 POLICIES = ["ondemand", "overlap", "caching", "host"]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TOP_K = 2  # the tiny qwen2_moe: 8 experts per block, 2 per position (factories)
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,10 @@ def setup(tiny_ckpt):
     return path, prompts, ref.last_stats, expert_share_budget(ref, 0.5, 8, 64)
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("policy", "tier"), [(p, t) for p in POLICIES for t in ("host", "disk")
+                                              if (p, t) != ("host", "disk")])  # host on disk: an error, below
 def test_policy_matches_resident_tokens(setup, tmp_path, policy, tier):
     path, prompts, ref_stats, budget = setup
-    if policy == "host" and tier == "disk":
-        pytest.skip("host computes from host memory; tested for its error below")
     llm = LLM(model=str(path), device="cpu", policy=policy, offload=tier, offload_dir=str(tmp_path),
               device_memory=budget, max_batch_size=8, max_model_len=64)
     held = watch_device_bytes(llm.engine)
@@ -85,14 +86,26 @@ def test_transfer_bytes_equal_the_experts_fetched(setup, tmp_path):
     llm.close()
 
 
-def test_ondemand_moves_what_each_block_needs_every_step(setup, tmp_path):
+@torch.no_grad()
+def routed_experts(path, token_ids: list[int]) -> list[list[set[int]]]:
+    """Per MoE block, per position: the experts transformers' own model routes it to."""
+    model = _cached_model(path)
+    routers = model(input_ids=torch.tensor([token_ids]), output_router_logits=True).router_logits
+    return [[set(row.topk(TOP_K).indices.tolist()) for row in logits] for logits in routers]
+
+
+def test_ondemand_fetches_each_blocks_routed_experts_once_every_pass(setup, tmp_path):
     path, prompts, _, budget = setup
     llm = LLM(model=str(path), device="cpu", policy="ondemand", offload="host", device_memory=budget,
               max_batch_size=1, max_model_len=64)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    # batch 1, top-2: a decode step needs at most 2 experts per MoE block (2 blocks)
-    stats = llm.last_stats
-    assert stats["experts_fetched"] <= 2 * 2 * stats["steps"] + 8 * 2  # decode steps + one prefill
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    # the prefill pass fetches, per block, the union of the prompt's experts; each of the 3
+    # decode passes (the last token is never fed) its one position's; nothing is kept
+    n = len(prompts[0])
+    routed = routed_experts(path, prompts[0] + out.token_ids[:-1])
+    assert len(routed) == 2 and len(routed[0]) == n + 3
+    want = sum(len(set().union(*block[:n])) + sum(len(experts) for experts in block[n:]) for block in routed)
+    assert llm.last_stats["experts_fetched"] == want
     llm.close()
 
 
