@@ -1,9 +1,11 @@
 """The CLI on a tiny checkpoint (in-process): JSON output, prompt files, info."""
 
 import json
+from pathlib import Path
 
 import pytest
 from factories import run_cli
+from safetensors import safe_open
 
 
 @pytest.fixture
@@ -31,11 +33,20 @@ def test_generate_json_prints_one_object_with_stats_and_outputs(tiny_ckpt, tmp_p
 
 
 def test_info_json_reports_bytes_and_fit(tiny_ckpt, run):
-    info = json.loads(run("info", "--model", tiny_ckpt("qwen2_moe"), "--device-memory", "1MiB", "--json"))
+    path = tiny_ckpt("qwen2_moe")
+    expert = 3 * 32 * 16 * 4  # gate, up, down of hidden 32 x 16, float32
+    # counted independently: the checkpoint's tensors that are not routed experts, and the
+    # K/V of 2 sequences x 32 positions (3 layers, K and V, 2 KV heads of 32 / 4 = 8, float32)
+    with safe_open(next(Path(path).glob("*.safetensors")), "pt") as f:
+        non_expert = sum(f.get_tensor(k).nbytes for k in f.keys() if ".mlp.experts." not in k)
+    kv = 2 * 32 * (3 * 2 * 2 * 8 * 4)
+    budget = non_expert + kv + 5 * expert + expert // 2  # room for five experts and a half
+    info = json.loads(run("info", "--model", path, "--device-memory", budget, "--batch-size", 2, "--max-model-len", 32,
+                          "--json"))
     assert info["family"] == "qwen2_moe" and info["experts_per_block"] == 8 and info["moe_layers"] == 2
-    assert info["expert_bytes"] == 3 * 32 * 16 * 4
-    assert info["expert_bytes_total"] == 16 * info["expert_bytes"]
-    assert info["experts_fit"] >= 0 and "policies_fit" in info
+    assert info["expert_bytes"] == expert and info["expert_bytes_total"] == 16 * expert
+    assert (info["non_expert_bytes"], info["kv_reserved_bytes"]) == (non_expert, kv)
+    assert (info["experts_fit"], info["experts_fit_per_block"]) == (5, 2) and "policies_fit" in info
 
 
 def test_info_reports_draft_quantization_error_per_block(tiny_ckpt, run):
