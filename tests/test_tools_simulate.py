@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from specmoe.base.trace import LayerRouting, StepRecord, TraceWriter
-from specmoe.costmodel.routing import RoutingModel
+from specmoe.costmodel.cost_model import Scenario, estimate
+from specmoe.costmodel.hardware import load_profile
+from specmoe.costmodel.routing import RoutingModel, acceptance_for_tokens_per_step
+from specmoe.costmodel.shapes import PRESETS
 from specmoe.tools import simulate
 
 REQUIRED_FIELDS = {"policy", "batch_size", "decode_tokens_per_s", "transfer_bytes_per_token", "step_s",
@@ -61,9 +64,16 @@ def test_auto_rows_name_the_exact_plan(capsys):
 def test_paper_setting_reports_specmoe_speedup(capsys):
     rc, out, _ = run(["--model-shape", "nllb-moe-54b", "--hardware", "h100-pcie5", "--batch-sizes", "256",
                       "--gamma", "10", "--draft-experts", "4", "--tokens-per-step", "7.265", "--json"], capsys)
-    spec = next(r for r in json.loads(out)["records"] if r["policy"] == "specmoe")
+    recs = {r["policy"]: r for r in json.loads(out)["records"]}
+    spec, ondemand = recs["specmoe"], recs["ondemand"]
     assert spec["tokens_per_step"] == pytest.approx(7.265, abs=1e-3)
-    assert 3.0 < spec["speedup_vs_ondemand"] < 6.5
+    # the record's speedup: tokens per sequence per second, from its own step times ...
+    assert spec["speedup_vs_ondemand"] == pytest.approx(7.265 * ondemand["step_s"] / spec["step_s"], rel=1e-6)
+    # ... which are the cost model's for the paper's setting, asked directly
+    sc = Scenario(PRESETS["nllb-moe-54b"], load_profile("h100-pcie5"))
+    a = acceptance_for_tokens_per_step(7.265, 10)
+    want = estimate("specmoe", sc, 256, gamma=10, draft_experts=4, acceptance=a).step_s
+    assert (spec["step_s"], ondemand["step_s"]) == pytest.approx((want, estimate("ondemand", sc, 256).step_s), rel=1e-9)
 
 
 def test_table_output_names_policies_and_assumptions(capsys):
