@@ -3,6 +3,10 @@ it, and a profiled run on a real engine accounts for every unit of decode work."
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 import torch
 from factories import make_checkpoint
@@ -35,25 +39,82 @@ def test_frames_are_read_from_profiler_event_names():
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory):
-    path = make_checkpoint("mixtral", tmp_path_factory.mktemp("m"))
-    llm = LLM(model=path, policy="specmoe", offload="host", device_memory="60%", gamma=2, max_batch_size=2,
-              max_model_len=64)
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("mixtral", tmp_path_factory.mktemp("m"))
+
+
+OPTIONS = dict(policy="specmoe", offload="host", device_memory="60%", gamma=2, max_batch_size=2, max_model_len=64)
+PARAMS = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def profiled(checkpoint):
+    llm = LLM(model=checkpoint, **OPTIONS)
     inst = Instrumented(llm.engine)
-    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
-    llm.generate([[5, 6, 7]], params)
+    llm.generate([[5, 6, 7]], PARAMS)
     inst.clock.reset()
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as p:
-        llm.generate([[5, 6, 7]], params)  # one sequence: one drafted token per draft forward
+        llm.generate([[5, 6, 7]], PARAMS)  # one sequence: one drafted token per draft forward
     yield inst, p.events(), llm.engine.counters
     llm.close()
 
 
-def test_every_draft_forward_and_speculative_step_is_counted_and_timed(profiled):
-    inst, _, counters = profiled
-    assert inst.clock.count["verify"] == counters.steps >= 2
-    assert inst.clock.count["draft"] == counters.drafted
-    assert inst.clock.cpu["draft"] > 0 and inst.clock.cpu["verify"] > 0
+TICKS = {"draft": 1.0, "verify": 1e3, "other": 1e6}  # a forward pass's virtual seconds, by where it runs
+
+
+def tick_in_forwards(engine, now: list, tally: Counter) -> None:
+    """Make `engine`'s forward passes the only thing that advances the virtual clock `now`,
+    by TICKS of where each runs (a draft pass, the rest of a speculative step, elsewhere),
+    counted in `tally`. Wraps the engine's own methods, as Instrumented does after it."""
+    forward, scope, step = engine.forward_logits, engine.pass_scope, engine.decoder.step
+    where = {"draft": False, "step": False}
+
+    @contextlib.contextmanager
+    def pass_scope(kind):
+        where["draft"] = kind == "draft"
+        try:
+            with scope(kind) as experts:
+                yield experts
+        finally:
+            where["draft"] = False
+
+    def forward_logits(*args, **kwargs):
+        unit = "draft" if where["draft"] else "verify" if where["step"] else "other"
+        now[0] += TICKS[unit]
+        tally[unit] += 1
+        return forward(*args, **kwargs)
+
+    def decoder_step(seqs):
+        where["step"] = True
+        try:
+            return step(seqs)
+        finally:
+            where["step"] = False
+
+    engine.forward_logits, engine.pass_scope, engine.decoder.step = forward_logits, pass_scope, decoder_step
+
+
+def virtual_clock(now: list) -> SimpleNamespace:
+    """A stand-in for the time module where thread and wall time are both `now`."""
+    return SimpleNamespace(thread_time=lambda: now[0], perf_counter=lambda: now[0])
+
+
+def test_every_draft_forward_and_speculative_step_is_counted_and_timed(checkpoint, monkeypatch):
+    """Draft time is exactly the draft forwards' and verify time the rest of each step's."""
+    import specmoe.bench.profile as profile_module
+
+    llm, now, tally = LLM(model=checkpoint, **OPTIONS), [0.0], Counter()
+    tick_in_forwards(llm.engine, now, tally)
+    monkeypatch.setattr(profile_module, "time", virtual_clock(now))
+    inst = Instrumented(llm.engine)
+    llm.generate([[5, 6, 7]], PARAMS)
+    counters = llm.engine.counters
+    llm.close()
+    assert inst.clock.count["verify"] == counters.steps >= 2 and tally["verify"] >= counters.steps
+    assert inst.clock.count["draft"] == counters.drafted == tally["draft"]  # one sequence: a token a forward
+    for clock in (inst.clock.cpu, inst.clock.wall):
+        assert clock["draft"] == tally["draft"] * TICKS["draft"]
+        assert clock["verify"] == tally["verify"] * TICKS["verify"]
 
 
 def test_operator_shares_cover_attention_router_and_experts_of_each_unit(profiled):
@@ -67,7 +128,7 @@ def test_operator_shares_cover_attention_router_and_experts_of_each_unit(profile
     assert 0.0 <= outside_share(events)["draft"] < 1.0
 
 
-def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path):
+def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path, checkpoint):
     import importlib.util
     import subprocess
     from pathlib import Path
@@ -83,16 +144,28 @@ def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path):
     assert old.__name__ == "specmoe_HEAD" and Path(old.__file__).is_relative_to(tmp_path)
     assert old.LLM is not LLM  # a second copy of the package, not this one again
 
-    path = make_checkpoint("mixtral", tmp_path / "m")
-    options = dict(model=path, policy="specmoe", offload="host", device_memory="60%", gamma=2, max_batch_size=2,
-                   max_model_len=64)
-    llms = {"before": old.LLM(**options), "after": LLM(**options)}
+    llms = {"before": old.LLM(model=checkpoint, **OPTIONS), "after": LLM(model=checkpoint, **OPTIONS)}
+    now, tally, turns = [0.0], {name: Counter() for name in llms}, []
+
+    def taking_turns(name, generate):
+        def generate_noting_the_turn(*args):
+            turns.append(name)
+            return generate(*args)
+        return generate_noting_the_turn
+
+    for name, llm in llms.items():
+        tick_in_forwards(llm.engine, now, tally[name])
+        llm.generate = taking_turns(name, llm.generate)
+    prof = script.load_profile_module()
+    prof.time = virtual_clock(now)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    rounds = script.measure_pair(script.load_profile_module(), llms, [[5, 6, 7], [8, 9]], params, repeats=3)
+    rounds = script.measure_pair(prof, llms, [[5, 6, 7], [8, 9]], params, repeats=3)
+    steps = {name: llm.engine.counters.steps for name, llm in llms.items()}  # the last round's, as every round's
     for llm in llms.values():
         llm.close()
 
-    assert set(rounds) == {"before", "after"}
-    for name in rounds:
-        assert len(rounds[name]) == 3
-        assert all(r["draft"] > 0 and r["verify"] > 0 for r in rounds[name])
+    assert turns == ["before", "after"] + ["before", "after", "after", "before", "before", "after"]  # warm-up first
+    for name in llms:  # a warm-up and 3 rounds, all alike: per unit, its virtual ms over the units run
+        verify_forwards = tally[name]["verify"] / 4
+        assert rounds[name] == [{"draft": 1e3 * TICKS["draft"],  # a draft unit is one forward
+                                 "verify": 1e3 * TICKS["verify"] * verify_forwards / steps[name]}] * 3
