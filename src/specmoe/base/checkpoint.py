@@ -32,6 +32,7 @@ from .quantized_tensors import (
     stack_rows,
     unpack_nibbles,
 )
+from .safetensors_stream import SafetensorsReader
 
 # Per-layer tensors, as templates under "{prefix}layers.{i}.". The first name present wins.
 # Mixtral and Phi-3.5-MoE write their MoE block as `block_sparse_moe`, Llama 4 as
@@ -157,7 +158,7 @@ class Checkpoint:
             raise SpecMoEError(f"{self.dir} is not a directory; pass --model DIR of a Hugging Face checkpoint")
         self.config = ModelConfig.from_dir(self.dir)
         self._handles: dict[str, object] = {}
-        self._fused_cache: dict[tuple[int, str], torch.Tensor] = {}
+        self._readers: dict[str, SafetensorsReader] = {}
         self._file_of = self._read_index()
         self.prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in self._file_of), "model.")
         qc = read_json(self.dir / "config.json").get("quantization_config") or {}
@@ -254,11 +255,15 @@ class Checkpoint:
         """A tensor as the file stores it."""
         if name not in self._file_of:
             raise SpecMoEError(f"{self.dir}: tensor {name!r} is missing from the checkpoint")
-        fname = self._file_of[name]
-        try:
-            return self._open(fname).get_tensor(name)
-        except Exception as exc:  # safetensors raises its own error types
-            raise SpecMoEError(f"{self.dir / fname}: cannot read tensor {name!r} ({exc}); the file is corrupt") from None
+        return self._reader(self._file_of[name]).read(name)
+
+    def _reader(self, fname: str) -> SafetensorsReader:
+        """Tensors are read (pread), not mapped: a touched mapped page stays resident, so a pass
+        over every expert would hold the whole checkpoint. `_open` checks the header first."""
+        if fname not in self._readers:
+            self._open(fname)
+            self._readers[fname] = SafetensorsReader(self.dir / fname)
+        return self._readers[fname]
 
     # --- tensors by role --------------------------------------------------------------
 
@@ -382,12 +387,12 @@ class Checkpoint:
         R, D, I = spec.in_rows, spec.hidden, spec.inter
 
         def matrix(part: str, rows: int, cols: int):
-            blocks = self._fused(layer, f"{part}_blocks", (E, rows, cols // 32, 16))[expert]
-            return unpack_nibbles(blocks.reshape(rows, cols // 2)), self._fused(layer, f"{part}_scales",
-                                                                                 (E, rows, cols // 32))[expert]
+            blocks = self._fused(layer, f"{part}_blocks", (E, rows, cols // 32, 16), expert)
+            return (unpack_nibbles(blocks.reshape(rows, cols // 2)),
+                    self._fused(layer, f"{part}_scales", (E, rows, cols // 32), expert))
 
         w_in, w_out = matrix("gate_up", R, D), matrix("down", D, I)
-        b_in, b_out = self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]
+        b_in, b_out = self._fused(layer, "gate_up_bias", (E, R), expert), self._fused(layer, "down_bias", (E, D), expert)
         if c.family.gate_up_interleaved:  # gate rows first, as in the buffer's layout
             w_in, b_in = tuple(_deinterleave(t) for t in w_in), _deinterleave(b_in)
         return w_in, w_out, b_in, b_out
@@ -398,40 +403,35 @@ class Checkpoint:
         spec, E = c.expert, c.num_experts
         R, D, I = spec.in_rows, spec.hidden, spec.inter
         if self.mxfp4:  # dequantized on load: the tiers hold (and move) the compute dtype
-            w_in = dequantize_mxfp4(self._fused(layer, "gate_up_blocks", (E, R, D // 32, 16))[expert],
-                                    self._fused(layer, "gate_up_scales", (E, R, D // 32))[expert])
-            w_out = dequantize_mxfp4(self._fused(layer, "down_blocks", (E, D, I // 32, 16))[expert],
-                                     self._fused(layer, "down_scales", (E, D, I // 32))[expert])
+            w_in = dequantize_mxfp4(self._fused(layer, "gate_up_blocks", (E, R, D // 32, 16), expert),
+                                    self._fused(layer, "gate_up_scales", (E, R, D // 32), expert))
+            w_out = dequantize_mxfp4(self._fused(layer, "down_blocks", (E, D, I // 32, 16), expert),
+                                     self._fused(layer, "down_scales", (E, D, I // 32), expert))
         elif fam.fused_transposed:
-            w_in = self._fused(layer, "gate_up", (E, D, R))[expert].t()
-            w_out = self._fused(layer, "down", (E, I, D))[expert].t()
+            w_in = self._fused(layer, "gate_up", (E, D, R), expert).t()
+            w_out = self._fused(layer, "down", (E, I, D), expert).t()
         else:
-            w_in = self._fused(layer, "gate_up", (E, R, D))[expert]
-            w_out = self._fused(layer, "down", (E, D, I))[expert]
+            w_in = self._fused(layer, "gate_up", (E, R, D), expert)
+            w_out = self._fused(layer, "down", (E, D, I), expert)
         parts = [w_in, w_out]
         if spec.bias:
-            parts += [self._fused(layer, "gate_up_bias", (E, R))[expert], self._fused(layer, "down_bias", (E, D))[expert]]
+            parts += [self._fused(layer, "gate_up_bias", (E, R), expert), self._fused(layer, "down_bias", (E, D), expert)]
         if fam.gate_up_interleaved:  # rows gate, up, gate, up, ...: gate rows first instead
             parts[0] = _deinterleave(parts[0])
             if spec.bias:
                 parts[2] = _deinterleave(parts[2])
         return parts
 
-    def _fused(self, layer: int, part: str, shape: tuple[int, ...]) -> torch.Tensor:
-        # One fused tensor serves every expert of the layer: keep the last ones read.
-        key = (layer, part)
-        cache = self._fused_cache
-        if key not in cache:
-            if len(cache) >= 6:
-                cache.clear()
-            pre = self.layer_prefix(layer)
-            name = self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part]))
-            if name is None:
-                raise SpecMoEError(
-                    f"{self.dir}: tensor {pre + FUSED_EXPERT_TENSORS[part][0]!r} is missing from the checkpoint"
-                )
-            cache[key] = self._checked(name, shape)
-        return cache[key]
+    def _fused(self, layer: int, part: str, shape: tuple[int, ...], expert: int) -> torch.Tensor:
+        """Expert `expert`'s slice of the layer's fused tensor [E, ...], read alone."""
+        pre = self.layer_prefix(layer)
+        name = self.find(tuple(pre + t for t in FUSED_EXPERT_TENSORS[part]))
+        if name is None:  # _checked says the tensor is missing, as for any other
+            return self._checked(pre + FUSED_EXPERT_TENSORS[part][0], shape)
+        if self.shape(name) != tuple(shape):
+            raise SpecMoEError(f"{self.dir}: tensor {name!r} has shape {list(self.shape(name))}, config.json implies "
+                               f"{list(shape)}")
+        return self._reader(self._file_of[name]).read(name, row=expert)
 
     def torch_dtype(self) -> torch.dtype:
         return DTYPES.get(self.config.torch_dtype, torch.float32)

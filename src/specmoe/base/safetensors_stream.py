@@ -1,8 +1,9 @@
 """Safetensors, one tensor at a time: for rewriting a checkpoint without holding it.
 
-Reading uses `pread` on the byte range the header names (no memory map: a mapped file's
-pages stay in the process's resident memory once touched, so a stream over a whole
-checkpoint would look as if it held it). Writing lays the header out first, from names,
+Reading uses `pread` on the byte range the header names, into a tensor of torch's own
+(aligned) allocation (no memory map: a mapped file's pages stay in the process's
+resident memory once touched, so a stream over a whole checkpoint would look as if it
+held it; and a mapped tensor starts wherever the file puts it). Writing lays the header out first, from names,
 dtypes and shapes known in advance, then appends each tensor's bytes in that order.
 
 The format: an 8-byte little-endian header length, the JSON header (`{name: {dtype,
@@ -54,23 +55,33 @@ class SafetensorsReader:
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + length
         self.entries, self._offsets = {}, {}
+        self.unknown = {}  # name -> a dtype this reader has no torch dtype for (an error when it is read)
         for name, info in header.items():
             if info["dtype"] not in DTYPES:
-                raise SpecMoEError(f"{self.path}: tensor {name!r} has dtype {info['dtype']}, which specmoe cannot copy")
+                self.unknown[name] = info["dtype"]
+                continue
             self.entries[name] = TensorEntry(name, DTYPES[info["dtype"]], tuple(info["shape"]))
             self._offsets[name] = tuple(info["data_offsets"])
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, row: int | None = None) -> torch.Tensor:
+        """The tensor, or only its `row`-th slice along the first dimension."""
+        if name in self.unknown:
+            raise SpecMoEError(f"{self.path}: tensor {name!r} has dtype {self.unknown[name]}, which specmoe cannot read")
         begin, end = self._offsets[name]
         entry = self.entries[name]
-        buffer = bytearray(end - begin)
-        with open(self.path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buffer], self.data_start + begin)
-        if got != len(buffer):
-            raise SpecMoEError(f"{self.path}: tensor {name!r} is cut short (truncated file); download it again")
-        if not buffer:
+        if row is not None:
+            size = (end - begin) // entry.shape[0]
+            begin, end = begin + row * size, begin + (row + 1) * size
+            entry = TensorEntry(name, entry.dtype, entry.shape[1:])
+        # read straight into a tensor of torch's own (64-byte aligned) allocation
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        if not raw.numel():
             return torch.empty(entry.shape, dtype=entry.dtype)
-        return torch.frombuffer(buffer, dtype=torch.uint8).view(entry.dtype).reshape(entry.shape)
+        with open(self.path, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [raw.numpy()], self.data_start + begin)
+        if got != raw.numel():
+            raise SpecMoEError(f"{self.path}: tensor {name!r} is cut short (truncated file); download it again")
+        return raw.view(entry.dtype).reshape(entry.shape)
 
 
 class SafetensorsWriter:

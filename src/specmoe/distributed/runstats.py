@@ -20,7 +20,7 @@ SUMMED = {
     "compute_s", "steps", "transfer_bytes", "experts_fetched", "transfer_wait_s", "offload_read_s",
     "host_expert_tokens", "activation_bytes", "refresh_bytes",
 }
-LARGEST = {"batch_size", "device_memory", "device_peak_bytes"}
+LARGEST = {"batch_size", "device_memory", "device_peak_bytes", "host_peak_bytes"}
 
 
 def merge_runs(runs: list[ChunkRun], wall_s: float) -> dict:

@@ -20,6 +20,7 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
+from ..base.memory import release_free_memory
 from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..experts.formats import expert_format
@@ -124,6 +125,7 @@ class Engine:
         # under auto, gamma follows measured tokens/s (the plan gives the first value)
         self.decoder = SpeculativeDecoder(self, options.gamma, tune=self.auto_plan is not None) \
             if self.policy.speculative else None
+        release_free_memory()  # what building the weights, copies and tier freed, back to the system
 
     @property
     def gamma(self) -> int | None:

@@ -6,6 +6,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 
+from ..base.memory import peak_rss_bytes
+
 
 def per_token_acceptance(accepted: int, rejected: int) -> float | None:
     """Maximum-likelihood per-token acceptance from speculative steps: each accepted
@@ -95,6 +97,8 @@ def summarize(
         **rates(counters, requests=len(seqs), generated=generated, wall_s=wall_s, transfer=transfer),
         "device_memory": device_memory,  # the budget in bytes (None: no limit)
         "device_peak_bytes": device_peak_bytes,
+        # the whole process's peak resident memory, as the kernel measured it (not the ledger)
+        "host_peak_bytes": peak_rss_bytes(),
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),
     }
     stats["compute_s"] = counters.prefill_s + counters.decode_s - float(policy_stats.get("transfer_wait_s", 0.0))

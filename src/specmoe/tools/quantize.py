@@ -218,6 +218,8 @@ def _stream(ckpt: Checkpoint, out: Path, quantizer: MatrixQuantizer, progress: b
     c = ckpt.config
     shapes = {(c.expert_intermediate_size, c.hidden_size), (c.hidden_size, c.expert_intermediate_size)}
     for reader in readers:
+        for name, dtype in reader.unknown.items():  # the rewrite copies every tensor: it must know each dtype
+            raise SpecMoEError(f"{reader.path}: tensor {name!r} has dtype {dtype}, which specmoe cannot copy")
         for name, entry in reader.entries.items():
             if EXPERT_WEIGHT.search(name) and entry.shape not in shapes:
                 raise SpecMoEError(f"{reader.path}: expert tensor {name!r} has shape {list(entry.shape)}; config.json "
