@@ -47,6 +47,16 @@ def test_info_json_reports_bytes_and_fit(tiny_ckpt, run):
     assert info["expert_bytes"] == expert and info["expert_bytes_total"] == 16 * expert
     assert (info["non_expert_bytes"], info["kv_reserved_bytes"]) == (non_expert, kv)
     assert (info["experts_fit"], info["experts_fit_per_block"]) == (5, 2) and "policies_fit" in info
+    # on the CPU the budget is the process's memory: its stated bound, 1.15 x the budget + 256 MiB
+    assert info["host_peak_bound_bytes"] == int(budget * 1.15) + (256 << 20)
+
+
+def test_info_says_which_fused_kernel_each_draft_matrix_would_take(tiny_ckpt, run):
+    info = json.loads(run("info", "--model", tiny_ckpt("mixtral"), "--json"))
+    kernels = info["fused_kernels"]  # the tiny Mixtral: hidden 32, experts 24 wide
+    assert kernels["draft int8 N=32 K=24"].startswith("portable: K = 24 is not a multiple of 16")
+    assert set(kernels) == {"draft int8 N=48 K=32", "draft int8 N=32 K=24", "draft int4 N=48 K=32 group=32",
+                            "draft int4 N=32 K=24 group=24"}
 
 
 def test_info_reports_draft_quantization_error_per_block(tiny_ckpt, run):

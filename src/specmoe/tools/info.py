@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..base.checkpoint import Checkpoint
+from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
@@ -113,6 +114,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["experts_fit"] = min(fit, num_experts_total)
         info["experts_fit_per_block"] = per_block
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
+        if resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
+            info["host_peak_bound_bytes"] = host_bound(budget)
     return info
 
 
