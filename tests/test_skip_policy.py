@@ -74,6 +74,9 @@ def test_the_repositorys_list_covers_exactly_the_skips_ci_cannot_avoid():
     assert covering(entries, "tests/test_cuda.py::test_host_store_is_pinned_on_cuda", "needs a CUDA device")
     assert covering(entries, "tests/test_server_live.py::test_x[cuda]", "needs CUDA")
     assert not covering(entries, "tests/test_server_live.py::test_x[cpu]", "needs CUDA")
+    int8 = "tests/test_quantized_drafts.py::test_the_int8_kernel_layout_computes_what_the_portable_format_does[48]"
+    assert covering(entries, int8, "the int8 kernel is not used here: self-check crashed (signal 11)")
+    assert not covering(entries, int8, "the int8 kernel is not used here: SPECMOE_FUSED_KERNELS=off")
     # a condition CI has must never be on the list: namespaces, O_DIRECT, Chromium, a checkout
     for nodeid, reason in [("tests/test_faults.py::test_a_read_only_offload_dir_is_one_line", "no namespace"),
                            ("tests/test_stored_dtype.py::test_x", "refuses O_DIRECT"),
