@@ -1,16 +1,18 @@
-"""The fused-kernel guard at real size: the run that used to segfault, twice from one cache dir.
+"""Real size, as a user runs it: every policy's start-up and memory, first and cached runs.
 
-On an AVX-512 machine the int8 draft copies of a real-size model, read back from their
-safetensors cache by the second run, crashed torch's int8 CPU kernel (the tensors start at
-8-byte offsets). This runs what a user runs, as separate processes: `specmoe generate` with
-every expert resident, then `--policy specmoe --offload disk --device-memory 30%` twice with
-one fresh cache dir (the first run quantizes the experts and builds the disk tier's file,
-the second reads both back), and records each run's exit status, wall time, peak RSS,
-token_ids_sha256 and the fused kernels it used.
+Each run is its own `specmoe generate` process on the real-size model (real_size_model.py:
+the demo model widened, 24 MiB bf16 experts), B = 16, held-out prompts, the disk tier at a
+30 % budget. Measured from outside the process: its anonymous resident memory (RssAnon in
+/proc, polled every 5 ms) against the bound a CPU run promises (1.15 x budget + 256 MiB),
+its wall time, and start-up (wall time minus the generation's own). The runs, in order:
+every expert resident; ondemand with a fresh cache dir (it builds the disk tier's file),
+then ondemand, caching and overlap from it; SpecMoE with another fresh cache dir (it
+builds the file and quantizes the int8 draft copies), then SpecMoE again from its caches:
+the run that segfaulted in torch's int8 kernel before the kernel guard.
 
-usage: python benchmarks/kernel_guard.py --json OUT.json [--model DIR] [--smoke]
-  --model: a checkpoint (default: the real-size model, built by real_size_model.py into
-  the results dir beside OUT.json when it is not there yet)
+usage: python benchmarks/real_size_runs.py --json OUT.json [--model DIR] [--smoke]
+  --model: a checkpoint (default: the real-size model, built into the directory of OUT.json
+  when it is not there yet)
 """
 
 from __future__ import annotations
@@ -31,29 +33,46 @@ sys.path.insert(0, str(HERE))
 
 from real_size_model import DEMO, write  # noqa: E402
 
-RUNS = (("resident", ["--policy", "resident"]),
-        ("specmoe, first run", ["--policy", "specmoe", "--offload", "disk", "--device-memory", "30%"]),
-        ("specmoe, from the caches", ["--policy", "specmoe", "--offload", "disk", "--device-memory", "30%"]))
+from specmoe.base.checkpoint import Checkpoint  # noqa: E402
+
+OFFLOAD = ["--offload", "disk", "--device-memory", "30%"]
+# (label, cache dir: "a" or "b", policy flags)
+RUNS = (("resident", "a", ["--policy", "resident"]),
+        ("ondemand, first run", "a", ["--policy", "ondemand", *OFFLOAD]),
+        ("ondemand", "a", ["--policy", "ondemand", *OFFLOAD]),
+        ("caching", "a", ["--policy", "caching", *OFFLOAD]),
+        ("overlap", "a", ["--policy", "overlap", *OFFLOAD]),
+        ("specmoe, first run", "b", ["--policy", "specmoe", *OFFLOAD]),
+        ("specmoe, from the caches", "b", ["--policy", "specmoe", *OFFLOAD]))
 
 
-def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: int) -> dict:
-    """One `specmoe generate` process: exit status, wall time, peak RSS (its own rusage), stats."""
+def anon_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    except (OSError, StopIteration):  # the process has just ended
+        return 0
+
+
+def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: int, max_len: int | None) -> dict:
+    """One `specmoe generate` process: exit status, times, its peak anonymous RSS seen from outside, stats."""
     cmd = [sys.executable, "-m", "specmoe.cli", "generate", "--model", str(model), "--prompts-file", str(PROMPTS),
            "--num-prompts", str(prompts), "--batch-size", str(prompts), "--max-tokens", str(tokens), "--ignore-eos",
-           "--json", *extra]
-    start = time.perf_counter()
+           "--json", *(["--max-model-len", str(max_len)] if max_len else []), *extra]
+    start, peak = time.perf_counter(), 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dict(os.environ, SPECMOE_CACHE_DIR=str(cache)))
-        _, status, usage = os.wait4(proc.pid, 0)
+        while proc.poll() is None:
+            peak = max(peak, anon_rss(proc.pid))
+            time.sleep(0.005)
         wall = time.perf_counter() - start
         out.seek(0), err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    code = os.waitstatus_to_exitcode(status)
-    stats = json.loads(stdout)["stats"] if code == 0 else {}
-    return {"command": "specmoe " + " ".join(cmd[3:]), "exit_status": code, "wall_s": wall,
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "stderr_tail": stderr.strip().splitlines()[-3:],
-            "token_ids_sha256": stats.get("token_ids_sha256"), "fused_kernels": stats.get("fused_kernels", {}),
-            "decode_tokens_per_s": stats.get("decode_tokens_per_s")}
+    stats = json.loads(stdout)["stats"] if proc.returncode == 0 else {}
+    return {"command": "specmoe " + " ".join(cmd[3:]), "exit_status": proc.returncode, "wall_s": wall,
+            "startup_s": wall - stats["wall_s"] if stats else None, "peak_anon_bytes": peak,
+            "stderr_tail": stderr.strip().splitlines()[-3:], **{k: stats.get(k) for k in (
+                "device_memory", "host_peak_bytes", "token_ids_sha256", "decode_tokens_per_s", "fused_kernels")}}
 
 
 def main(argv=None) -> int:
@@ -68,18 +87,20 @@ def main(argv=None) -> int:
         model = args.json.resolve().parent / f"real-size-k{factors[0]}-m{factors[1]}"
         if not (model / "config.json").is_file():
             write(DEMO, model, *factors)
-    prompts, tokens = (4, 4) if args.smoke else (16, 32)
-    cache = Path(tempfile.mkdtemp(prefix="kernel-guard-cache-"))
+    prompts, tokens, max_len = (4, 4, 256) if args.smoke else (16, 32, None)
+    caches = {name: Path(tempfile.mkdtemp(prefix=f"real-size-cache-{name}-")) for name in ("a", "b")}
     try:
         runs = []
-        for label, extra in RUNS:
-            runs.append({"run": label, **generate(model, cache, extra, prompts, tokens)})
-            print(f"kernel_guard: {label}: exit {runs[-1]['exit_status']} after {runs[-1]['wall_s']:.0f} s",
-                  file=sys.stderr, flush=True)
-        machine = json.loads((cache / "kernels.json").read_text()) if (cache / "kernels.json").is_file() else {}
+        for label, cache, extra in RUNS:
+            runs.append({"run": label, **generate(model, caches[cache], extra, prompts, tokens, max_len)})
+            print(f"real_size_runs: {label}: exit {runs[-1]['exit_status']} after {runs[-1]['wall_s']:.0f} s, peak "
+                  f"anonymous {runs[-1]['peak_anon_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    doc = {"model": str(model), "batch_size": prompts, "max_tokens": tokens, "runs": runs, "kernel_verdicts": machine}
+        for cache in caches.values():
+            shutil.rmtree(cache, ignore_errors=True)
+    c = Checkpoint(model).config
+    experts = c.expert_bytes(2) * len(c.moe_layer_ids) * c.num_experts  # as the checkpoint stores them, bf16
+    doc = {"model": str(model), "expert_bytes": experts, "batch_size": prompts, "max_tokens": tokens, "runs": runs}
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if all(r["exit_status"] == 0 for r in runs) else 1
 

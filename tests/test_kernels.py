@@ -312,16 +312,21 @@ def test_calibrate_reports_the_kernels_for_the_demo_and_a_real_size_expert(fresh
     assert all(why.startswith(("fused: self-check", "portable: self-check")) for why in report.values())
 
 
-def test_the_real_size_section_says_whether_each_run_exited_and_matched_resident():
-    from specmoe.bench.tables import kernel_guard
+def test_the_real_size_section_says_whether_each_run_exited_fit_its_bound_and_matched_resident():
+    from specmoe.bench.tables import real_size_runs
 
-    run = {"exit_status": 0, "wall_s": 40.2, "peak_rss_bytes": 5 << 30, "decode_tokens_per_s": 25.0}
-    doc = {"batch_size": 16, "max_tokens": 32, "runs": [
-        {**run, "run": "resident", "token_ids_sha256": "a", "fused_kernels": {}},
-        {**run, "run": "specmoe, first run", "token_ids_sha256": "a",
+    gib = 1 << 30
+    run = {"exit_status": 0, "wall_s": 40.2, "startup_s": 30.0, "peak_anon_bytes": 2 * gib, "host_peak_bytes": 3 * gib,
+           "decode_tokens_per_s": 25.0, "device_memory": 2 * gib, "token_ids_sha256": "a", "fused_kernels": {}}
+    doc = {"batch_size": 16, "max_tokens": 32, "expert_bytes": 3 * gib, "runs": [
+        {**run, "run": "resident", "device_memory": None},
+        {**run, "run": "specmoe, first run", "peak_anon_bytes": 3 * gib,
          "fused_kernels": {"draft int8 N=4096 K=2048": "fused: self-check passed (relative error 1.7e-03)"}},
-        {**run, "run": "specmoe, from the caches", "exit_status": -11, "token_ids_sha256": None, "fused_kernels": {}}]}
-    rows = kernel_guard(doc).splitlines()[4:]
-    assert rows[0] == "| resident | 0 | 40 s | 5.00 GiB | 25.0 | – | – |"
-    assert rows[1].endswith("| yes | int8: passed N=4096 K=2048 |")
-    assert rows[2].startswith("| specmoe, from the caches | -11 |") and "| NO |" in rows[2]
+        {**run, "run": "specmoe, from the caches", "exit_status": -11, "token_ids_sha256": None}]}
+    text = real_size_runs(doc)
+    rows = text.splitlines()[4:]
+    assert "10.0 s per GiB of experts (3.00 GiB in bf16)" in text  # 30 s of start-up over 3 GiB
+    assert rows[0] == "| resident | 0 | 30 s | 40 s | 2.00 GiB | – | – | 3.00 GiB | 25.0 | – | – |"
+    # 3 GiB against 1.15 x 2 GiB + 256 MiB = 2.55 GiB: over its bound
+    assert rows[1].endswith("| 3.00 GiB | 2.55 GiB | NO | 3.00 GiB | 25.0 | yes | int8: passed N=4096 K=2048 |")
+    assert rows[2].startswith("| specmoe, from the caches | -11 |") and "| yes | 3.00 GiB | 25.0 | NO |" in rows[2]

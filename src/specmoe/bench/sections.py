@@ -79,15 +79,18 @@ SECTIONS = (
             (Run("calibration.json", "specmoe calibrate --json > {out}/calibration.json",
                  "specmoe calibrate --size 16MiB --json > {out}/calibration.json"),),
             lambda docs: tables.calibration(docs["calibration.json"])),
-    Section("kernels", "torch's fused CPU kernels at real size: the run that crashed, twice",
+    Section("real-size-runs", "Real size: every policy's start-up and memory, and the run that crashed",
             "The real-size model (benchmarks/real_size_model.py: the demo model widened 8x in hidden size and heads, "
             "16x in expert width; 24 MiB bf16 experts, 3.2 GiB) run as a user runs it, each `specmoe generate` its "
-            "own process: every expert resident, then SpecMoE on the disk tier at 30 % twice with one fresh cache "
-            "dir; the second run reads the int8 draft copies back from their safetensors cache (the run that "
-            "segfaulted in torch's int8 kernel before the guard). Peak RSS: each process's own maximum.",
-            (Run("kernels.json", "python benchmarks/kernel_guard.py --json {out}/kernels.json",
-                 "python benchmarks/kernel_guard.py --smoke --json {out}/kernels.json"),),
-            lambda docs: tables.kernel_guard(docs["kernels.json"])),
+            "own process, the disk tier at 30 %: resident; ondemand with a fresh cache dir, then ondemand, caching "
+            "and overlap from it; SpecMoE with another fresh cache dir, then again from its caches (the int8 draft "
+            "copies read back from their safetensors file: the run that segfaulted in torch's int8 kernel before "
+            "the kernel guard). Peak anonymous RSS: polled from outside the process; host_peak_bytes: what the "
+            "process reports itself (the kernel's peak RSS, shared libraries included); start-up: wall time minus "
+            "the generation's own.",
+            (Run("real-size-runs.json", "python benchmarks/real_size_runs.py --json {out}/real-size-runs.json",
+                 "python benchmarks/real_size_runs.py --smoke --json {out}/real-size-runs.json"),),
+            lambda docs: tables.real_size_runs(docs["real-size-runs.json"])),
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
             "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "
