@@ -225,3 +225,17 @@ def test_a_verify_pass_fetches_each_expert_at_most_once(reference, tmp_path, dra
     assert all(len(keys) == len(set(keys)) for keys in verify)
     assert llm.last_stats["token_ids_sha256"] == sha
     llm.close()
+
+
+def test_the_affinity_table_is_the_l2_distance_between_whole_experts(tiny_ckpt):
+    """Accumulated a tensor at a time, it is still each pair's distance between the flattened
+    experts (compared with cdist over whole buffers, the table's old one-shot computation)."""
+    from specmoe.base.checkpoint import Checkpoint
+    from specmoe.policies.specmoe.affinity import compute_affinity
+
+    ckpt = Checkpoint(tiny_ckpt("mixtral"))
+    c = ckpt.config
+    for layer, table in compute_affinity(ckpt).items():
+        whole = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
+        want = torch.cdist(whole[None].double(), whole[None].double())[0].float()
+        assert torch.allclose(table, want, rtol=1e-5, atol=1e-6) and table.diagonal().abs().max() < 1e-3

@@ -1,8 +1,8 @@
 """The affinity table: pairwise L2 distances between the experts of each MoE block.
 
 When the draft picks an expert it does not hold, it uses the held expert nearest in
-weight space instead. Distances are computed once per model, streamed block by block
-(one block's experts in memory at a time), and cached on disk keyed by the checkpoint.
+weight space instead. Distances are computed once per model, streamed one tensor of a
+block's experts at a time, and cached on disk keyed by the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,12 +18,21 @@ from ...base.files import keep
 
 
 def compute_affinity(ckpt: Checkpoint) -> dict[int, torch.Tensor]:
-    """layer -> [E, E] float32 distances between flattened expert weights."""
+    """layer -> [E, E] float32 distances between flattened expert weights.
+
+    The squared distance is a sum over the expert's tensors (gate, up, down, biases), so it
+    is accumulated one tensor at a time: a block's experts are in memory one part at a time
+    (a third of the block for a gated expert), never the whole block in float32."""
     c = ckpt.config
     table = {}
     for layer in c.moe_layer_ids:
-        weights = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
-        table[layer] = torch.cdist(weights[None], weights[None])[0]
+        parts = len(ckpt.expert_parts(layer, 0))
+        squared = torch.zeros(c.num_experts, c.num_experts, dtype=torch.float64)
+        for p in range(parts):
+            x = torch.stack([ckpt.expert_parts(layer, e)[p].reshape(-1).float() for e in range(c.num_experts)])
+            squared += torch.cdist(x[None], x[None])[0].double() ** 2
+            del x
+        table[layer] = squared.sqrt().float()
     return table
 
 
