@@ -1,6 +1,6 @@
 """The disk tier's expert file as a shared cache: built once by concurrent processes,
 never left half-written, checked when opened, repaired when damaged; read errors on the
-reader thread reach the caller."""
+reader thread reach the caller. Processes are synchronised by events (files), never by sleeps."""
 
 from __future__ import annotations
 
@@ -23,33 +23,50 @@ from specmoe.experts.expert_file import ExpertLayout, inspect
 from specmoe.experts.formats import FloatFormat
 from specmoe.experts.store import DiskStore
 
-# A process that builds (or opens) the expert file, slowed down per expert so that
-# concurrent builds overlap, once the file GO exists; it prints what it saw.
+# A process that builds (or opens) the expert file and prints what it saw. Events are files
+# in EVENTS: a build that reads its first expert says "<name>-building" and goes on only
+# once "go" exists; a process that finds the file's lock held says "<name>-waiting" first.
 BUILDER = """
-import json, sys, time
+import fcntl, json, sys, time
 from pathlib import Path
 import torch
 from specmoe.base.checkpoint import Checkpoint
 from specmoe.experts.formats import FloatFormat
 from specmoe.experts.store import DiskStore
 
-ckpt_dir, out_dir, go, delay = sys.argv[1:5]
-read_expert = Checkpoint.expert_buffer
-def slow_expert(self, *args):
-    time.sleep(float(delay))
+ckpt_dir, out_dir, events, name = sys.argv[1:5]
+events = Path(events)
+read_expert, flock = Checkpoint.expert_buffer, fcntl.flock
+seen = {"building": False, "waiting": False}
+
+def event(what):
+    seen[what] = True
+    (events / f"{name}-{what}").touch()
+
+def first_expert_waits_for_go(self, *args):
+    if not seen["building"]:
+        event("building")
+        while not (events / "go").exists():
+            time.sleep(0.005)
     return read_expert(self, *args)
-Checkpoint.expert_buffer = slow_expert
+
+def flock_saying_so(fd, operation):
+    try:
+        flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        event("waiting")
+        flock(fd, operation)
+
+Checkpoint.expert_buffer, fcntl.flock = first_expert_waits_for_go, flock_saying_so
 ckpt = Checkpoint(ckpt_dir)
 keys = [(l, e) for l in ckpt.config.moe_layer_ids for e in range(ckpt.config.num_experts)]
-while not Path(go).exists():
-    time.sleep(0.005)
 store = DiskStore(ckpt, keys, FloatFormat(ckpt.config.expert, torch.float32), out_dir)
 dest = torch.empty(store.numel)
 same = True
 for key in keys:
     store.read_into(key, dest)
     same = same and torch.equal(dest, read_expert(ckpt, *key, torch.float32))
-print(json.dumps({"built": store.built, "same": same, "repaired": store.repaired}))
+print(json.dumps({"built": store.built, "same": same, "repaired": store.repaired, **seen}))
 """
 
 
@@ -66,9 +83,30 @@ def open_store(ckpt, directory):
     return DiskStore(ckpt, all_keys(ckpt), FloatFormat(ckpt.config.expert, torch.float32), str(directory))
 
 
-def builder(ckpt, out_dir, go, delay):
-    return subprocess.Popen([sys.executable, "-c", BUILDER, str(ckpt.dir), str(out_dir), str(go), str(delay)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def builder(ckpt):
+    """builder(out_dir, events, name): a BUILDER process; any still running at the end is killed."""
+    procs = []
+
+    def start(out_dir, events, name):
+        procs.append(subprocess.Popen([sys.executable, "-c", BUILDER, str(ckpt.dir), str(out_dir), str(events), name],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_for_event(events, name: str, proc, instead: str | None = None, timeout: float = 120) -> None:
+    """Until the file events/name exists; fails if `proc` ends or says `instead` first."""
+    deadline = time.monotonic() + timeout
+    while not (events / name).exists():
+        assert proc.poll() is None, f"the builder ended before {name}: {proc.communicate()}"
+        assert not (instead and (events / instead).exists()), f"{instead} before {name}"
+        assert time.monotonic() < deadline, f"no {name} within {timeout} s"
+        time.sleep(0.01)
 
 
 def reads_match_the_checkpoint(store, ckpt) -> bool:
@@ -93,30 +131,30 @@ def test_a_new_file_carries_its_layout_and_checksums(ckpt, tmp_path):
     store.close()
 
 
-def test_concurrent_processes_build_the_file_once_and_all_use_it(ckpt, tmp_path):
-    go = tmp_path / "go"
-    procs = [builder(ckpt, tmp_path / "experts", go, 0.1) for _ in range(2)]  # builds overlap by ~1.6 s
-    time.sleep(0.5)
-    go.touch()
+def test_concurrent_processes_build_the_file_once_and_all_use_it(ckpt, builder, tmp_path):
+    """The second process starts while the first is mid-build (its first expert read),
+    finds the lock held and waits; then the first finishes and the second uses its file."""
+    out_dir = tmp_path / "experts"
+    first = builder(out_dir, tmp_path, "first")
+    wait_for_event(tmp_path, "first-building", first)
+    second = builder(out_dir, tmp_path, "second")
+    wait_for_event(tmp_path, "second-waiting", second, instead="second-building")
+    (tmp_path / "go").touch()
     results = []
-    for proc in procs:
+    for proc in (first, second):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         results.append(json.loads(out))
-    assert sorted(r["built"] for r in results) == [False, True]
+    assert [(r["built"], r["building"], r["waiting"]) for r in results] == [(True, True, False), (False, False, True)]
     assert all(r["same"] and r["repaired"] == 0 for r in results)
-    assert leftovers(tmp_path / "experts") == []
+    assert leftovers(out_dir) == []
 
 
-def test_an_interrupted_build_leaves_no_file_and_the_next_run_cleans_up_and_builds(ckpt, tmp_path):
-    go = tmp_path / "go"
-    go.touch()
+def test_an_interrupted_build_leaves_no_file_and_the_next_run_cleans_up_and_builds(ckpt, builder, tmp_path):
     out_dir = tmp_path / "experts"
-    proc = builder(ckpt, out_dir, go, 0.1)  # 16 experts: about 1.6 s to build
-    deadline = time.monotonic() + 60
-    while not (out_dir.is_dir() and leftovers(out_dir)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the build never started writing"
-        time.sleep(0.02)
+    proc = builder(out_dir, tmp_path, "killed")
+    wait_for_event(tmp_path, "killed-building", proc)  # its temporary file is open, nothing in it yet
+    assert leftovers(out_dir)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not list(out_dir.glob("*.bin"))  # only the temporary file: nothing a run could trust
