@@ -34,6 +34,7 @@ from .logprobs import LogprobsWriter, merge
 from .loop import EngineLoop, RequestHandle
 from .protocol import (
     MAX_BODY_BYTES,
+    READ_METHODS,
     APIError,
     GenerateRequest,
     chunk,
@@ -100,9 +101,10 @@ async def run_engine_loop(app: FastAPI):
 # --- errors: always the OpenAI error object ------------------------------------------------
 
 
-def error_response(served: Served, err: APIError) -> JSONResponse:
+def error_response(served: Served, err: APIError, headers: dict | None = None) -> JSONResponse:
     served.http_errors[err.status] += 1
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    if err.status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -115,12 +117,24 @@ def http_error_message(request: Request, exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
+def allowed_methods(exc: StarletteHTTPException) -> str:
+    """The `Allow` of a 405 (RFC 9110 requires it): the route's methods, which Starlette's
+    exception carries, and OPTIONS, which every path answers."""
+    methods = {m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()}
+    return ", ".join(sorted(methods | {"OPTIONS"}))
+
+
 def add_error_handlers(app: FastAPI, served: Served) -> None:
     async def on_api_error(request: Request, exc: APIError):
         return error_response(served, exc)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(served, APIError(exc.status_code, http_error_message(request, exc)))
+        if exc.status_code != 405:
+            return error_response(served, APIError(exc.status_code, http_error_message(request, exc)))
+        allow = {"Allow": allowed_methods(exc)}
+        if request.method == "OPTIONS":  # no route takes OPTIONS: the router's 405 says which methods do
+            return Response(status_code=204, headers=allow)
+        return error_response(served, APIError(405, http_error_message(request, exc)), allow)
 
     async def on_bug(request: Request, exc: Exception):  # a bug in the server, not the request
         log.exception("internal error on %s %s", request.method, request.url.path)
@@ -159,11 +173,11 @@ def v1_router(served: Served) -> APIRouter:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key(served.api_key))])
     model_name = served.model_name
 
-    @v1.get("/models")
+    @v1.api_route("/models", methods=READ_METHODS)
     async def list_models():
         return {"object": "list", "data": [model_card(served)]}
 
-    @v1.get("/models/{name:path}")
+    @v1.api_route("/models/{name:path}", methods=READ_METHODS)
     async def get_model(name: str):
         if name != model_name:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
@@ -188,7 +202,7 @@ def tokenizer_router(served: Served) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_api_key(served.api_key))])
     engine = served.engine
 
-    @router.get("/tokenizer_info")
+    @router.api_route("/tokenizer_info", methods=READ_METHODS)
     async def get_tokenizer_info():
         return tokens.tokenizer_info(engine.tokenizer, engine.max_model_len)
 
@@ -212,7 +226,7 @@ def add_operations_routes(app: FastAPI, served: Served) -> None:
     """/health and /metrics: outside /v1, so they need no API key."""
     loop = served.loop
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health():
         if loop.draining:  # a load balancer should send new requests elsewhere
             return JSONResponse({"status": "shutting_down"}, status_code=503)
@@ -220,7 +234,7 @@ def add_operations_routes(app: FastAPI, served: Served) -> None:
             return {"status": "ok"}
         return JSONResponse({"status": "error", "error": f"the engine loop stopped: {loop.error}"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def get_metrics():
         if served.cluster_metrics is not None:
             text = await served.cluster_metrics(served)

@@ -24,6 +24,8 @@ MAX_STOP_CHARS = 1000  # streaming checks each new tail against every stop strin
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# what a GET route takes: HEAD wherever GET is (RFC 9110); uvicorn sends a HEAD answer without its body
+READ_METHODS = ["GET", "HEAD"]
 
 # Fields OpenAI defines that are accepted only at the value that means "off".
 _NEUTRAL = {

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .live import LiveEvents, LiveView
 from .loop import EngineLoop
-from .protocol import APIError
+from .protocol import READ_METHODS, APIError
 
 STATIC = Path(__file__).with_name("static")
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -44,22 +44,22 @@ def ui_router(loop: EngineLoop, model_name: str, authorize, key_required: bool) 
     view = LiveView()
     loop.after_step.append(view.tick)
 
-    @router.get("/")
+    @router.api_route("/", methods=READ_METHODS)
     async def index():
         body, media_type = files["index.html"]
         return Response(body, media_type=media_type, headers=PAGE_HEADERS)
 
-    @router.get("/ui/info")
+    @router.api_route("/ui/info", methods=READ_METHODS)
     async def info():
         return JSONResponse({"model": model_name, "api_key_required": key_required},
                             headers={"Cache-Control": "no-cache"})
 
-    @router.get("/ui/events", dependencies=[Depends(authorize)])
+    @router.api_route("/ui/events", methods=READ_METHODS, dependencies=[Depends(authorize)])
     async def events():
         return StreamingResponse(live_events(loop, view), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @router.get("/ui/{name}")
+    @router.api_route("/ui/{name}", methods=READ_METHODS)
     async def static(name: str):
         if name not in files or name == "index.html":
             raise APIError(404, f"no file {name} in the page's static files", code="not_found")
