@@ -115,6 +115,31 @@ def test_a_chat_template_that_fails_is_a_400():
     assert err.value.status == 400 and "roles must alternate" in err.value.message
 
 
+def test_max_tokens_past_what_the_prompt_leaves_ends_at_the_context():
+    req = parse_completion({"prompt": "hi", "max_tokens": 50}, "m")
+    assert req.sampling_params(prompt_len=95, max_model_len=100).max_tokens == 5  # finish_reason "length"
+    with pytest.raises(APIError, match="at most 99") as err:  # more than any prompt leaves: the document's bound
+        parse_completion({"prompt": "hi", "max_tokens": 100}, "m").sampling_params(3, 100)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "max_tokens"
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100}, "m", object())
+    with pytest.raises(APIError) as err:
+        chat.sampling_params(3, 100)
+    assert err.value.param == "max_completion_tokens"
+
+
+def test_integral_numbers_are_integers_as_json_schema_counts_them():
+    req = parse_completion(parse_json(b'{"prompt": [5.0, 1e1], "max_tokens": 4.0, "n": 1.0}'), "m")
+    assert req.prompt == [5, 10] and req.max_tokens == 4
+    with pytest.raises(APIError, match="'max_tokens' must be an integer"):
+        parse_completion(parse_json(b'{"prompt": "x", "max_tokens": 4.5}'), "m")
+
+
+def test_an_unpaired_surrogate_is_a_400_not_a_tokenizer_crash():
+    with pytest.raises(APIError, match="unpaired UTF-16 surrogate"):
+        parse_json(b'{"prompt": "a\\ud800b"}')
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a pair is one character
+
+
 def test_huge_integers_and_infinities_are_rejected():
     with pytest.raises(APIError):
         parse_json(b"1" * 5000)  # past Python's int string limit

@@ -192,6 +192,9 @@ def v1_router(served: Served) -> APIRouter:
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request, served.max_body_bytes)
+        if served.engine.config.seq2seq is not None:  # its answer would be the transcript, translated
+            raise APIError(400, "this model translates (encoder-decoder) and does not chat: send the text to "
+                           "/v1/completions, with src_lang and tgt_lang", "messages")
         return await generate(served, request, parse_chat(body, model_name, served.engine.tokenizer))
 
     return v1
@@ -209,12 +212,13 @@ def tokenizer_router(served: Served) -> APIRouter:
     @router.post("/tokenize")
     async def post_tokenize(request: Request):
         body = await read_body(request, served.max_body_bytes)
-        return await run_in_threadpool(tokens.tokenize, body, engine.tokenizer, engine.max_model_len)
+        return await run_in_threadpool(tokens.tokenize, body, engine.tokenizer, engine.max_model_len,
+                                       served.model_name)
 
     @router.post("/detokenize")
     async def post_detokenize(request: Request):
         body = await read_body(request, served.max_body_bytes)
-        return tokens.detokenize(body, engine.tokenizer)
+        return tokens.detokenize(body, engine.tokenizer, served.model_name)
 
     return router
 

@@ -78,16 +78,33 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent; an integral one (`16.0`, `1e3`) is an integer, as
+    JSON Schema counts it (the document's `integer` fields take it, like pydantic's and vLLM's)."""
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def parse_json(raw: bytes) -> dict:
     """Bytes -> a JSON object, or a 400 that says what is wrong with them."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_number)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise invalid(f"the request body is not valid JSON: {detail}") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {_kind(body)}")
+    _check_unicode(body)
     return body
+
+
+def _check_unicode(body: dict) -> None:
+    """A `\\ud800` escape without its pair is valid JSON but no text: the tokenizer cannot take it."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(f"the request body holds an unpaired UTF-16 surrogate escape "
+                      f"(\\u{ord(exc.object[exc.start]):04x}): send text as valid Unicode") from None
 
 
 def _kind(value) -> str:
@@ -168,6 +185,7 @@ class GenerateRequest:
     specmoe_stats: bool = False  # the answer (the last chunk of a stream) carries `specmoe_stats`
     src_lang: str | None = None  # an encoder-decoder model: the prompt's language and the one to translate into
     tgt_lang: str | None = None
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (chat: or max_completion_tokens)
 
     @property
     def prompt_param(self) -> str:
@@ -185,13 +203,15 @@ class GenerateRequest:
         max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = room if self.kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
-        elif max_tokens > room:
+        elif max_tokens > max_model_len - 1:  # more than any prompt leaves: the document's maximum
             raise invalid(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {self.prompt_param}, {max_tokens} in "
-                "the completion). Please reduce the length of the prompt or max_tokens.",
-                "max_tokens", "context_length_exceeded",
+                f"'{self.max_tokens_param}' must be at most {max_model_len - 1}, got {max_tokens}: this model's "
+                f"maximum context length is {max_model_len} tokens and a prompt takes at least one",
+                self.max_tokens_param, "context_length_exceeded",
             )
+        # more than this prompt leaves: the answer ends where the context does (finish_reason "length"),
+        # as a request for exactly that many would; the document cannot know a prompt's tokens
+        max_tokens = min(max_tokens, room)
         # an echoed prompt with logprobs is scored; max_tokens=0 (echo only) is a scoring request
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         if max_tokens == 0 and prompt_logprobs is None:
@@ -253,9 +273,9 @@ def _common(body: dict, kind: str, max_tokens_key: str = "max_tokens", echo: boo
     ignore_eos = _get(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
     specmoe_stats = _get(body, "specmoe_stats", lambda v: isinstance(v, bool), "a boolean", False)
     return dict(
-        kind=kind, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-        seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, stream=stream, include_usage=include_usage,
-        specmoe_stats=specmoe_stats,
+        kind=kind, max_tokens=max_tokens, max_tokens_param=max_tokens_key, temperature=temperature, top_p=top_p,
+        top_k=max(top_k, 0), seed=seed, stop=tuple(stop), ignore_eos=ignore_eos, stream=stream,
+        include_usage=include_usage, specmoe_stats=specmoe_stats,
     )
 
 

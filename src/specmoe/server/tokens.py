@@ -8,7 +8,7 @@ checks the bodies and builds the answers; app.py serves them.
 
 from __future__ import annotations
 
-from .protocol import _get, _is_int, invalid
+from .protocol import _get, _is_int, check_model, invalid
 
 
 def need_tokenizer(tokenizer):
@@ -23,9 +23,10 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
             "chat_template": tok.chat_template, "model_max_length": max_model_len, "vocab_size": tok.vocab_size}
 
 
-def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
+def tokenize(body: dict, tokenizer, max_model_len: int, model_name: str) -> dict:
     """{"prompt": text, "add_special_tokens": bool (default true)} -> the ids and their count."""
     _only(body, {"model", "prompt", "add_special_tokens"})
+    check_model(body, model_name)  # as /v1 does: a client that names another model is told so
     text = _get(body, "prompt", lambda v: isinstance(v, str), "a string")
     if text is None:
         raise invalid("'prompt' is required: the text to tokenize", "prompt")
@@ -34,9 +35,10 @@ def tokenize(body: dict, tokenizer, max_model_len: int) -> dict:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
 
-def detokenize(body: dict, tokenizer) -> dict:
+def detokenize(body: dict, tokenizer, model_name: str) -> dict:
     """{"tokens": [ids]} -> {"prompt": their text}."""
     _only(body, {"model", "tokens"})
+    check_model(body, model_name)
     ids = _get(body, "tokens", lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "an array of token ids")
     if ids is None:
         raise invalid("'tokens' is required: the token ids to turn into text", "tokens")
