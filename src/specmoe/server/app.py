@@ -13,6 +13,7 @@ take it for a response model and validate every answer against it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -75,7 +76,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes, cluster_metrics=cluster_metrics)
     app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
-    app.openapi = lambda: openapi.document(model_name)  # written out: the handlers read raw bodies
+    app.openapi = openapi_document(served)
     app.state.engine_loop = served.loop
     app.state.served = served
     add_error_handlers(app, served)
@@ -85,6 +86,16 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     if ui:
         app.include_router(ui_router(served.loop, model_name, require_api_key(api_key), api_key is not None))
     return app
+
+
+def openapi_document(served: Served) -> Callable[[], dict]:
+    """/openapi.json, written out (the handlers read raw bodies) for this model; built once, when first asked."""
+
+    @functools.cache
+    def document() -> dict:
+        return openapi.document(openapi.served_model(served.engine, served.model_name, served.api_key is not None))
+
+    return document
 
 
 @asynccontextmanager
