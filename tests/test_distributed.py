@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -153,11 +154,17 @@ def serve_port(cluster):
     stop_serving()
 
 
+@dataclass
+class Deployment:
+    url: str
+    answered: int = 0  # requests it has answered, as the tests count them (ask_served)
+
+
 @pytest.fixture(scope="module")
 def served(serve_port, model_dir):
     start_serving(str(model_dir), SERVED, ReplicaOptions(2, REPLICA_CPUS), name=NAME, host="127.0.0.1",
                   port=serve_port)
-    return f"http://127.0.0.1:{serve_port}"
+    return Deployment(f"http://127.0.0.1:{serve_port}")
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +192,12 @@ def ask_all(url: str) -> list[tuple[str, str]]:
         return list(pool.map(ask, TEXTS))
 
 
+def ask_served(served: Deployment) -> list[tuple[str, str]]:
+    answers = ask_all(served.url)
+    served.answered += 2 * len(TEXTS)
+    return answers
+
+
 def metric_lines(url: str, name: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -208,28 +221,36 @@ def test_a_serve_replica_that_cannot_start_is_the_users_one_line_error(serve_por
                       name=NAME, host="127.0.0.1", port=serve_port)
 
 
+def settled(served: Deployment) -> dict[str, float]:
+    """Per replica, the requests /metrics counts, once it counts every request answered so far
+    (each replica reports every second)."""
+    total = lambda: sum(metric_lines(served.url, "specmoe_requests_total").values())  # noqa: E731
+    wait_for(lambda: total() == served.answered, 30, f"every replica's report of {served.answered} requests")
+    return metric_lines(served.url, "specmoe_replica_requests_total")
+
+
 def test_serve_replicas_answer_concurrent_clients_like_one_server(served, single_server):
     want = ask_all(single_server)
-    assert ask_all(served) == want
+    assert ask_served(served) == want
     assert all(whole and streamed for whole, streamed in want)
 
 
 def test_metrics_add_up_both_replicas(served):
-    total = lambda: sum(metric_lines(served, "specmoe_requests_total").values())  # noqa: E731
-    wait_for(lambda: total() == 2 * len(TEXTS), 30, "every replica's report")
-    per_replica = metric_lines(served, "specmoe_replica_requests_total")
-    assert len(per_replica) == 2 and all(n > 0 for n in per_replica.values())  # both took requests
-    assert sum(per_replica.values()) == 2 * len(TEXTS)
+    before = settled(served)
+    ask_served(served)
+    after = settled(served)
+    grew = {replica: n - before.get(replica, 0) for replica, n in after.items() if n > before.get(replica, 0)}
+    assert len(grew) == 2 and sum(grew.values()) == 2 * len(TEXTS)  # both took some of these requests
 
 
 def test_a_killed_serve_replica_is_replaced_while_the_other_answers(served, single_server):
+    settled(served)  # the victim has reported all it answered
     victim = replica_actors()[0]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
-    assert ask_all(served) == ask_all(single_server)  # at once, without retries
+    assert ask_served(served) == ask_all(single_server)  # at once, without retries
     wait_for(lambda: len(replica_actors()) == 2 and victim not in replica_actors(), what="a new replica")
     from ray import serve
 
     wait_for(lambda: serve.status().applications["specmoe"].deployments["engine"].replica_states == {"RUNNING": 2},
              what="the new replica to run")
-    total = lambda: sum(metric_lines(served, "specmoe_requests_total").values())  # noqa: E731
-    wait_for(lambda: total() == 4 * len(TEXTS), 30, "the counters, the dead replica's included")
+    settled(served)  # the counters, the dead replica's included
