@@ -46,8 +46,9 @@ def test_calibrate_saves_a_loadable_profile(tmp_path, capsys, monkeypatch):
     # the fit reports (how small it is is a benchmark matter: BENCHMARKS.md validates it)
     (shape, samples), = probed
     resident = [s for s in samples if s.policy == "resident"]
-    rel = [pass_work(Scenario(shape, p, context_len=s.context), s.batch, s.per_sequence, s.experts).time_s / s.wall_s - 1
-           for s in resident]
+    predicted = [pass_work(Scenario(shape, p, context_len=s.context), s.batch, s.per_sequence, s.experts).time_s
+                 for s in resident]
+    rel = [t / s.wall_s - 1 for t, s in zip(predicted, resident)]
     assert m["engine_fit_passes"] == len(resident) >= 10
     assert m["engine_fit_rms_rel_error"] == pytest.approx(math.sqrt(sum(r * r for r in rel) / len(rel)), rel=1e-9)
     assert p.kernel_launch_s == m["engine_kernel_launch_s"] and p.device_mem_bw == m["engine_device_mem_bw"]

@@ -8,7 +8,6 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-import torch
 from factories import make_checkpoint
 from torch.profiler import ProfilerActivity, profile
 
