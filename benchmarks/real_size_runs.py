@@ -10,7 +10,12 @@ then ondemand, caching and overlap from it; SpecMoE with another fresh cache dir
 builds the file and quantizes the int8 draft copies), then SpecMoE again from its caches:
 the run that segfaulted in torch's int8 kernel before the kernel guard.
 
+With --startup-against REV, SpecMoE's first run (fresh cache dir) of this tree and of REV's
+package alternate for --rounds rounds after the runs above, so that their start-up times
+are compared in one run.
+
 usage: python benchmarks/real_size_runs.py --json OUT.json [--model DIR] [--smoke]
+                                           [--startup-against REV [--rounds 2]]
   --model: a checkpoint (default: the real-size model, built into the directory of OUT.json
   when it is not there yet)
 """
@@ -31,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "prompts" / "heldout.jsonl"
 sys.path.insert(0, str(HERE))
 
+from profile_passes import extract_src  # noqa: E402
 from real_size_model import DEMO, write  # noqa: E402
 
 from specmoe.base.checkpoint import Checkpoint  # noqa: E402
@@ -54,14 +60,17 @@ def anon_rss(pid: int) -> int:
         return 0
 
 
-def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: int, max_len: int | None) -> dict:
-    """One `specmoe generate` process: exit status, times, its peak anonymous RSS seen from outside, stats."""
+def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: int, max_len: int | None,
+             source: Path | None = None) -> dict:
+    """One `specmoe generate` process (of the package under `source`, default this tree's):
+    exit status, times, its peak anonymous RSS seen from outside, stats."""
     cmd = [sys.executable, "-m", "specmoe.cli", "generate", "--model", str(model), "--prompts-file", str(PROMPTS),
            "--num-prompts", str(prompts), "--batch-size", str(prompts), "--max-tokens", str(tokens), "--ignore-eos",
            "--json", *(["--max-model-len", str(max_len)] if max_len else []), *extra]
     start, peak = time.perf_counter(), 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=dict(os.environ, SPECMOE_CACHE_DIR=str(cache)))
+        env = dict(os.environ, SPECMOE_CACHE_DIR=str(cache), **({"PYTHONPATH": str(source)} if source else {}))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         while proc.poll() is None:
             peak = max(peak, anon_rss(proc.pid))
             time.sleep(0.005)
@@ -75,11 +84,31 @@ def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: i
                 "device_memory", "host_peak_bytes", "token_ids_sha256", "decode_tokens_per_s", "fused_kernels")}}
 
 
+def startup_rounds(rev: str, rounds: int, model: Path, prompts: int, max_len: int | None) -> list[dict]:
+    """SpecMoE's first run, this tree's and REV's in turn, each with a fresh cache dir: start-up per round."""
+    out = []
+    with tempfile.TemporaryDirectory(prefix="specmoe-src-") as tmp:
+        sources = {"this tree": None, rev: extract_src(rev, tmp)}
+        for i in range(rounds):
+            for label, source in sources.items():
+                cache = Path(tempfile.mkdtemp(prefix="real-size-cache-startup-"))
+                try:
+                    r = generate(model, cache, ["--policy", "specmoe", *OFFLOAD], prompts, 4, max_len, source)
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+                out.append({"round": i, "source": label, **{k: r[k] for k in ("exit_status", "startup_s", "wall_s",
+                                                                                "peak_anon_bytes")}})
+                print(f"real_size_runs: start-up of {label}, round {i}: {r['startup_s']} s", file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True, type=Path)
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the real-size model)")
     p.add_argument("--smoke", action="store_true", help="a small widening, 4 prompts, 4 tokens: proves the script")
+    p.add_argument("--startup-against", metavar="REV", help="also time SpecMoE's first start-up against REV's package")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of --startup-against (default 2)")
     args = p.parse_args(argv)
     model = args.model
     if model is None:
@@ -101,6 +130,9 @@ def main(argv=None) -> int:
     c = Checkpoint(model).config
     experts = c.expert_bytes(2) * len(c.moe_layer_ids) * c.num_experts  # as the checkpoint stores them, bf16
     doc = {"model": str(model), "expert_bytes": experts, "batch_size": prompts, "max_tokens": tokens, "runs": runs}
+    if args.startup_against:
+        doc["startup_against"] = {"rev": args.startup_against,
+                                  "rounds": startup_rounds(args.startup_against, args.rounds, model, prompts, max_len)}
     args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0 if all(r["exit_status"] == 0 for r in runs) else 1
 

@@ -330,3 +330,16 @@ def test_the_real_size_section_says_whether_each_run_exited_fit_its_bound_and_ma
     # 3 GiB against 1.15 x 2 GiB + 256 MiB = 2.55 GiB: over its bound
     assert rows[1].endswith("| 3.00 GiB | 2.55 GiB | NO | 3.00 GiB | 25.0 | yes | int8: passed N=4096 K=2048 |")
     assert rows[2].startswith("| specmoe, from the caches | -11 |") and "| yes | 3.00 GiB | 25.0 | NO |" in rows[2]
+
+
+def test_the_real_size_section_compares_start_up_with_another_revision_median_against_median():
+    from specmoe.bench.tables import real_size_runs
+
+    run = {"run": "resident", "exit_status": 0, "wall_s": 9.0, "startup_s": 8.0, "peak_anon_bytes": 1 << 30,
+           "token_ids_sha256": "a"}
+    rounds = [{"round": i, "source": src, "exit_status": 0, "startup_s": t}
+              for i, (a, b) in enumerate([(40.0, 55.0), (50.0, 65.0), (45.0, 60.0)])
+              for src, t in (("this tree", a), ("abc1234", b))]
+    doc = {"batch_size": 16, "max_tokens": 32, "expert_bytes": 1 << 30, "runs": [run],
+           "startup_against": {"rev": "abc1234", "rounds": rounds}}
+    assert "3 alternating rounds: 40, 45, 50 s against 55, 60, 65 s: 1.33x as fast" in real_size_runs(doc)  # 60 / 45

@@ -51,6 +51,7 @@ def _grid_extra(doc: dict) -> str:
 
 
 PROFILE_BASE = "c95390e"  # main before the compute work of this section (profile_passes.py --source-rev)
+STARTUP_BASE = "1702eb7"  # main before the kernel guard and the streaming start-up (real_size_runs.py)
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
 SIMULATIONS = {
@@ -87,9 +88,11 @@ SECTIONS = (
             "copies read back from their safetensors file: the run that segfaulted in torch's int8 kernel before "
             "the kernel guard). Peak anonymous RSS: polled from outside the process; host_peak_bytes: what the "
             "process reports itself (the kernel's peak RSS, shared libraries included); start-up: wall time minus "
-            "the generation's own.",
-            (Run("real-size-runs.json", "python benchmarks/real_size_runs.py --json {out}/real-size-runs.json",
-                 "python benchmarks/real_size_runs.py --smoke --json {out}/real-size-runs.json"),),
+            "the generation's own; and SpecMoE's first start-up against the code before the streaming start-up, "
+            "alternating.",
+            (Run("real-size-runs.json", f"python benchmarks/real_size_runs.py --startup-against {STARTUP_BASE} "
+                 "--json {out}/real-size-runs.json", f"python benchmarks/real_size_runs.py --smoke --startup-against "
+                 f"{STARTUP_BASE} --rounds 1 --json {{out}}/real-size-runs.json"),),
             lambda docs: tables.real_size_runs(docs["real-size-runs.json"])),
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "

@@ -322,4 +322,20 @@ def real_size_runs(doc: dict) -> str:
     per_gib = (f" SpecMoE's first start-up: {first['startup_s'] / (doc['expert_bytes'] / gib):.1f} s per GiB of "
                f"experts ({doc['expert_bytes'] / gib:.2f} GiB in bf16).") if first else ""
     return (f"B = {doc['batch_size']}, {doc['max_tokens']} tokens, held-out prompts; bound: 1.15 x the run's budget "
-            f"+ 256 MiB.{per_gib}\n\n" + md_table(header, rows) + "\n")
+            f"+ 256 MiB.{per_gib}\n\n" + md_table(header, rows) + "\n" + _startup_against(doc.get("startup_against")))
+
+
+def _startup_against(against: dict | None) -> str:
+    """SpecMoE's first start-up, this tree's against another revision's, rounds alternating."""
+    if not against:
+        return ""
+    rows, rev = against["rounds"], against["rev"]
+    times = {src: sorted(r["startup_s"] for r in rows if r["source"] == src and r["startup_s"] is not None)
+             for src in ("this tree", rev)}
+    if not all(times.values()):
+        return f"\nStart-up against {rev}: a run failed ({[r['exit_status'] for r in rows]}).\n"
+    median = {src: t[len(t) // 2] for src, t in times.items()}
+    return (f"\nSpecMoE's first start-up (fresh cache dir), this tree against {rev}, {len(times[rev])} alternating "
+            f"rounds: {', '.join(f'{t:.0f}' for t in times['this tree'])} s against "
+            f"{', '.join(f'{t:.0f}' for t in times[rev])} s: {median[rev] / median['this tree']:.2f}x as fast "
+            f"(median against median). A fresh cache dir includes the fused kernels' one-time self-check.\n")
