@@ -40,6 +40,7 @@ from profile_passes import extract_src  # noqa: E402
 from real_size_model import DEMO, write  # noqa: E402
 
 from specmoe.base.checkpoint import Checkpoint  # noqa: E402
+from specmoe.base.memory import anon_rss_bytes  # noqa: E402
 
 OFFLOAD = ["--offload", "disk", "--device-memory", "30%"]
 # (label, cache dir: "a" or "b", policy flags)
@@ -50,14 +51,6 @@ RUNS = (("resident", "a", ["--policy", "resident"]),
         ("overlap", "a", ["--policy", "overlap", *OFFLOAD]),
         ("specmoe, first run", "b", ["--policy", "specmoe", *OFFLOAD]),
         ("specmoe, from the caches", "b", ["--policy", "specmoe", *OFFLOAD]))
-
-
-def anon_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    except (OSError, StopIteration):  # the process has just ended
-        return 0
 
 
 def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: int, max_len: int | None,
@@ -72,7 +65,7 @@ def generate(model: Path, cache: Path, extra: list[str], prompts: int, tokens: i
         env = dict(os.environ, SPECMOE_CACHE_DIR=str(cache), **({"PYTHONPATH": str(source)} if source else {}))
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         while proc.poll() is None:
-            peak = max(peak, anon_rss(proc.pid))
+            peak = max(peak, anon_rss_bytes(proc.pid) or 0)
             time.sleep(0.005)
         wall = time.perf_counter() - start
         out.seek(0), err.seek(0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specmoe.base.memory import host_bound
+from specmoe.base.memory import anon_rss_bytes, host_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout.jsonl"
@@ -39,19 +39,11 @@ def generate_measured(model: Path, cache: Path, policy: str) -> tuple[int, dict]
                             env=dict(os.environ, SPECMOE_CACHE_DIR=str(cache)))
     peak = 0
     while proc.poll() is None:
-        peak = max(peak, anon_rss(proc.pid))
+        peak = max(peak, anon_rss_bytes(proc.pid) or 0)
         time.sleep(0.005)
     out, err = proc.communicate()
     assert proc.returncode == 0, err.decode()[-2000:]
     return peak, json.loads(out)["stats"]
-
-
-def anon_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-    except (OSError, StopIteration):  # the process has just ended
-        return 0
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ def host_bound(budget: int) -> int:
     return int(budget * (1 + HOST_ALLOWANCE_SHARE)) + HOST_ALLOWANCE_BYTES
 
 
-def _status(field: str) -> int | None:
-    """A `/proc/self/status` field in bytes (Linux), or None."""
+def _status(field: str, pid: int | str = "self") -> int | None:
+    """A `/proc/PID/status` field in bytes (Linux), or None (elsewhere, or a process that has ended)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -44,9 +44,9 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 
 
-def anon_rss_bytes() -> int | None:
-    """Anonymous resident memory now (the process's own data, not mapped files), or None."""
-    return _status("RssAnon")
+def anon_rss_bytes(pid: int | str = "self") -> int | None:
+    """A process's anonymous resident memory now (its own data, not mapped files), or None."""
+    return _status("RssAnon", pid)
 
 
 def release_free_memory() -> None:
