@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -189,16 +191,25 @@ def test_client_that_disconnects_mid_stream_is_aborted(http, offline):
     assert http.get("/health").status_code == 200
 
 
-def test_client_that_gives_up_on_a_plain_request_is_aborted(http, offline):
+def test_client_that_gives_up_on_a_plain_request_is_aborted(http, server, offline):
+    """The client closes its connection once the server reports the request running (an
+    event, not a timeout that a fast machine would lose), and the server aborts it."""
     aborted0 = metric(http, "specmoe_requests_finished_total", finish_reason="abort")
+    done0 = metric(http, "specmoe_requests_finished_total", finish_reason="length")
     prompt = PROMPTS[4]
     room = offline.engine.max_model_len - len(offline.tokenizer.encode(prompt))
-    body = dict(prompt=prompt, max_tokens=room, temperature=0, ignore_eos=True)
-    try:
-        http.post("/v1/completions", json=body, timeout=0.15)
-        pytest.skip(f"{room} tokens took under 0.15 s: this machine is too fast to leave mid-request")
-    except httpx.ReadTimeout:
-        pass
+    body = json.dumps(dict(prompt=prompt, max_tokens=room, temperature=0, ignore_eos=True)).encode()
+    url = urlsplit(server)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (url.netloc.encode(), API_KEY.encode(), len(body), body))
+        deadline = time.monotonic() + 60
+        while metric(http, "specmoe_running_requests") < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.002)
+    assert metric(http, "specmoe_requests_finished_total", finish_reason="length") == done0, \
+        f"all {room} tokens were done before the client left"
     deadline = time.monotonic() + 60
     while metric(http, "specmoe_requests_finished_total", finish_reason="abort") == aborted0:
         assert time.monotonic() < deadline, "the sequence was not aborted"
