@@ -766,12 +766,16 @@ def assert_policy_run_is_exact(stats: dict, sha: str, policy: str) -> None:
 
 
 def watch_draft_reads(engine) -> list:
-    """Every expert read from the offload tier while the engine has a draft pass open
-    (there must be none). Watched from outside the policy: the pass scope the engine
-    opens and the store's reads, not the policy's own counters."""
+    """Every expert copied into a device pool slot for a fetch issued while the engine has
+    a draft pass open (there must be none). Watched from outside the policy: the pass
+    scope the engine opens and the transfer engine's load of a key into a slot (what
+    copies into the pool on either tier and either device: host tensor or disk read,
+    CPU or CUDA), not the policy's own counters. A load issued on the main thread and run
+    on the reader thread is judged by the passes open when it was issued."""
     reads, open_kinds = [], []
-    store = engine.policy.store
-    original_scope, original_read = engine.pass_scope, store.read_into
+    transfer = engine.policy.transfer
+    slots = transfer.pool.buffers.untyped_storage().data_ptr()
+    original_scope, original_load, original_submit = engine.pass_scope, transfer._load, transfer.executor.submit
 
     @contextmanager
     def scope(kind):
@@ -782,10 +786,16 @@ def watch_draft_reads(engine) -> list:
         finally:
             open_kinds.pop()
 
-    def read_into(key, dest):
-        if "draft" in open_kinds:
+    def load(key, dest, *rest, issued_while_drafting=None):
+        drafting = "draft" in open_kinds if issued_while_drafting is None else issued_while_drafting
+        if drafting and dest.untyped_storage().data_ptr() == slots:
             reads.append(key)
-        return original_read(key, dest)
+        return original_load(key, dest, *rest)
 
-    engine.pass_scope, store.read_into = scope, read_into
+    def submit(fn, *args, **kwargs):
+        if fn is load:
+            kwargs["issued_while_drafting"] = "draft" in open_kinds
+        return original_submit(fn, *args, **kwargs)
+
+    engine.pass_scope, transfer._load, transfer.executor.submit = scope, load, submit
     return reads

@@ -89,6 +89,30 @@ def test_draft_steps_move_zero_expert_bytes(reference, tmp_path):
     llm.close()
 
 
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_draft_watcher_sees_a_draft_that_fetches(reference, tmp_path, monkeypatch, tier):
+    """The watcher of test_draft_steps_move_zero_expert_bytes can fail: a drafter made to
+    fetch (one expert not in the pool per block) shows in it, expert by expert."""
+    path, prompts, _, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path, offload=tier, gamma=2)
+    policy, fetched = llm.engine.policy, []
+    original = policy.drafter.run_moe
+
+    def fetching(layer, x, routing):
+        absent = [(layer, e) for e in range(llm.config.num_experts) if not policy.transfer.has((layer, e))]
+        if absent:
+            policy.transfer.ensure(absent[0])
+            fetched.append(absent[0])
+        return original(layer, x, routing)
+
+    monkeypatch.setattr(policy.drafter, "run_moe", fetching)
+    draft_reads = watch_draft_reads(llm.engine)
+    with pytest.raises(RuntimeError, match="a draft pass fetched experts"):  # the policy's own check agrees
+        llm.generate(prompts[:2], GREEDY)
+    assert fetched and draft_reads == fetched
+    llm.close()
+
+
 def test_default_draft_experts_fit_the_budget_and_at_most_a_quarter(reference, tmp_path):
     path, _, _, budget, _ = reference
     llm = spec_llm(path, budget, tmp_path)
