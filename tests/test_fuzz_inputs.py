@@ -223,3 +223,29 @@ def test_sampling_probabilities_are_a_distribution_for_any_settings(logits, temp
     # the most likely token keeps the most probability (up to float32 rounding: at a huge
     # temperature two close logits may round to the same probability)
     assert probs[torch.argmax(x)] >= probs.max() - 1e-6
+
+
+@FUZZ
+@given(st.lists(st.floats(-8, 8), min_size=2, max_size=16), st.floats(0.25, 4.0),
+       st.one_of(st.just(1.0), st.floats(0.01, 1)), st.integers(0, 20))
+def test_top_k_and_top_p_keep_only_the_tokens_they_allow(logits, temperature, top_p, top_k):
+    """Checked against the definitions, in float64 from the logits as float32 holds them once
+    shifted and scaled (where close logits become equal): top-k keeps the tokens at least the
+    k-th largest (ties kept); top-p then keeps the most probable tokens until their mass
+    reaches top_p, so a kept token has less than top_p of mass above it."""
+    x = torch.tensor(logits)
+    probs = target_probs(x, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
+    kept = [i for i, p in enumerate(probs.tolist()) if p > 0]
+    scaled = ((x - x.max()) / max(temperature, torch.finfo(torch.float32).tiny)).tolist()
+    allowed = set(range(len(logits)))
+    if 0 < top_k < len(logits):
+        kth = sorted(scaled, reverse=True)[top_k - 1]
+        allowed = {i for i in allowed if scaled[i] >= kth}
+    z = sum(math.exp(scaled[i]) for i in allowed)
+    p64 = {i: math.exp(scaled[i]) / z for i in allowed}
+    for i in kept:
+        assert i in allowed, f"token {i} is outside the top {top_k}"
+        # tokens within float32's rounding of each other are ties, kept in either order
+        above = sum(p for p in p64.values() if p > p64[i] * (1 + 1e-6))
+        assert above < top_p + 1e-5, f"token {i} kept with {above:.6f} of mass above it (top_p {top_p})"
+    assert any(p64[i] >= max(p64.values()) * (1 - 1e-6) for i in kept)  # a most probable token stays
