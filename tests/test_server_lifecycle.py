@@ -65,6 +65,14 @@ def in_flight(url: str) -> int:
                if line.startswith(("specmoe_running_requests", "specmoe_waiting_requests")))
 
 
+def draining(url: str) -> bool:
+    """Whether the server has taken the signal: /health answers 503, or the port is closed."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 503
+    except httpx.HTTPError:
+        return True
+
+
 def wait_until(condition, timeout=60, what="") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -107,7 +115,7 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(servers, sig):
     wait_until(lambda: short[0][1].get("events"), what="the short requests to run")  # both came in one step
     signalled = time.monotonic()
     server.proc.send_signal(sig)
-    time.sleep(0.3)
+    wait_until(lambda: draining(server.url), what="the server to start draining")  # /health says so first
     late: dict = {}
     ask(server.url, SHORT, False, late)
     status = server.stop(timeout=GRACE_S + 20)
