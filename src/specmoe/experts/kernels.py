@@ -34,6 +34,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -123,6 +124,12 @@ def _static_reason(shape: Shape, device) -> str | None:
 
 def machine() -> str:
     """What a verdict holds for: torch's build, the CPU (model and instruction-set flags), threads."""
+    return f"torch {torch.__version__}, {platform.machine()}, {_cpu()}, {torch.get_num_threads()} threads"
+
+
+@lru_cache(maxsize=1)
+def _cpu() -> str:
+    """The CPU's model name and a digest of its flags (read once: /proc/cpuinfo is long on big machines)."""
     info = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -132,8 +139,7 @@ def machine() -> str:
         pass
     model = info.get("model name") or platform.processor() or "unknown CPU"
     flags = " ".join(sorted((info.get("flags") or info.get("Features") or "").split()))
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"torch {torch.__version__}, {platform.machine()}, {model}, flags {digest}, {torch.get_num_threads()} threads"
+    return f"{model}, flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 def _well_formed(data: dict) -> bool:
