@@ -5,8 +5,8 @@ the demo model widened, 24 MiB bf16 experts), B = 16, held-out prompts, the disk
 30 % budget. Measured from outside the process: its anonymous resident memory (RssAnon in
 /proc, polled every 5 ms) against the bound a CPU run promises (1.15 x budget + 256 MiB),
 its wall time, and start-up (wall time minus the generation's own). The runs, in order:
-every expert resident; ondemand with a fresh cache dir (it builds the disk tier's file),
-then ondemand, caching and overlap from it; SpecMoE with another fresh cache dir (it
+every expert resident; ondemand, caching and overlap each with a fresh cache dir (each
+builds the disk tier's file) and again from ondemand's; SpecMoE with a fresh cache dir (it
 builds the file and quantizes the int8 draft copies), then SpecMoE again from its caches:
 the run that segfaulted in torch's int8 kernel before the kernel guard.
 
@@ -43,11 +43,13 @@ from specmoe.base.checkpoint import Checkpoint  # noqa: E402
 from specmoe.base.memory import anon_rss_bytes  # noqa: E402
 
 OFFLOAD = ["--offload", "disk", "--device-memory", "30%"]
-# (label, cache dir: "a" or "b", policy flags)
+# (label, cache dir: a fresh one per policy's first run, policy flags)
 RUNS = (("resident", "a", ["--policy", "resident"]),
         ("ondemand, first run", "a", ["--policy", "ondemand", *OFFLOAD]),
         ("ondemand", "a", ["--policy", "ondemand", *OFFLOAD]),
+        ("caching, first run", "c", ["--policy", "caching", *OFFLOAD]),
         ("caching", "a", ["--policy", "caching", *OFFLOAD]),
+        ("overlap, first run", "d", ["--policy", "overlap", *OFFLOAD]),
         ("overlap", "a", ["--policy", "overlap", *OFFLOAD]),
         ("specmoe, first run", "b", ["--policy", "specmoe", *OFFLOAD]),
         ("specmoe, from the caches", "b", ["--policy", "specmoe", *OFFLOAD]))
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
         if not (model / "config.json").is_file():
             write(DEMO, model, *factors)
     prompts, tokens, max_len = (4, 4, 256) if args.smoke else (16, 32, None)
-    caches = {name: Path(tempfile.mkdtemp(prefix=f"real-size-cache-{name}-")) for name in ("a", "b")}
+    caches = {name: Path(tempfile.mkdtemp(prefix=f"real-size-cache-{name}-")) for name in {c for _, c, _ in RUNS}}
     try:
         runs = []
         for label, cache, extra in RUNS:

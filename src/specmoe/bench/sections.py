@@ -83,8 +83,8 @@ SECTIONS = (
     Section("real-size-runs", "Real size: every policy's start-up and memory, and the run that crashed",
             "The real-size model (benchmarks/real_size_model.py: the demo model widened 8x in hidden size and heads, "
             "16x in expert width; 24 MiB bf16 experts, 3.2 GiB) run as a user runs it, each `specmoe generate` its "
-            "own process, the disk tier at 30 %: resident; ondemand with a fresh cache dir, then ondemand, caching "
-            "and overlap from it; SpecMoE with another fresh cache dir, then again from its caches (the int8 draft "
+            "own process, the disk tier at 30 %: resident; ondemand, caching and overlap each with a fresh cache dir "
+            "(its first run builds the disk tier's file) and again from ondemand's; SpecMoE with another fresh cache dir, then again from its caches (the int8 draft "
             "copies read back from their safetensors file: the run that segfaulted in torch's int8 kernel before "
             "the kernel guard). Peak anonymous RSS: polled from outside the process; host_peak_bytes: what the "
             "process reports itself (the kernel's peak RSS, shared libraries included); start-up: wall time minus "
