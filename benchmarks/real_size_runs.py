@@ -93,7 +93,8 @@ def startup_rounds(rev: str, rounds: int, model: Path, prompts: int, max_len: in
                     shutil.rmtree(cache, ignore_errors=True)
                 out.append({"round": i, "source": label, **{k: r[k] for k in ("exit_status", "startup_s", "wall_s",
                                                                                 "peak_anon_bytes")}})
-                print(f"real_size_runs: start-up of {label}, round {i}: {r['startup_s']} s", file=sys.stderr, flush=True)
+                print(f"real_size_runs: start-up of {label}, round {i}: {r['startup_s']} s", file=sys.stderr,
+                      flush=True)
     return out
 
 

@@ -3,8 +3,9 @@
 Reading uses `pread` on the byte range the header names, into a tensor of torch's own
 (aligned) allocation (no memory map: a mapped file's pages stay in the process's
 resident memory once touched, so a stream over a whole checkpoint would look as if it
-held it; and a mapped tensor starts wherever the file puts it). Writing lays the header out first, from names,
-dtypes and shapes known in advance, then appends each tensor's bytes in that order.
+held it; and a mapped tensor starts wherever the file puts it). Writing lays the header
+out first, from names, dtypes and shapes known in advance, then appends each tensor's
+bytes in that order.
 
 The format: an 8-byte little-endian header length, the JSON header (`{name: {dtype,
 shape, data_offsets: [begin, end]}, "__metadata__": {...}}`, padded with spaces to a
@@ -66,7 +67,8 @@ class SafetensorsReader:
     def read(self, name: str, row: int | None = None) -> torch.Tensor:
         """The tensor, or only its `row`-th slice along the first dimension."""
         if name in self.unknown:
-            raise SpecMoEError(f"{self.path}: tensor {name!r} has dtype {self.unknown[name]}, which specmoe cannot read")
+            raise SpecMoEError(f"{self.path}: tensor {name!r} has dtype {self.unknown[name]}, "
+                               "which specmoe cannot read")
         begin, end = self._offsets[name]
         entry = self.entries[name]
         if row is not None:
