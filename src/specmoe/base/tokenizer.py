@@ -16,9 +16,19 @@ from .errors import SpecMoEError
 
 class Tokenizer:
     def __init__(self, model_dir: Path):
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self._setup(HFTokenizer.from_file(str(model_dir / "tokenizer.json")), cfg)
+
+    @classmethod
+    def from_parts(cls, tokenizer: HFTokenizer, cfg: dict) -> Tokenizer:
+        """From a built `tokenizers` tokenizer and tokenizer_config.json's keys (a GGUF file's vocabulary)."""
+        self = cls.__new__(cls)
+        self._setup(tokenizer, cfg)
+        return self
+
+    def _setup(self, tokenizer: HFTokenizer, cfg: dict) -> None:
+        self._tok = tokenizer
         self.chat_template = cfg.get("chat_template")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from ..base.checkpoint import Checkpoint
+from ..base.gguf_checkpoint import load_tokenizer, open_checkpoint
 from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
 from ..base.memory import release_free_memory
-from ..base.tokenizer import Tokenizer
 from ..experts.budget import DeviceBudget
 from ..experts.formats import expert_format
 from ..model.seq2seq import EncoderDecoderTransformer
@@ -73,7 +73,7 @@ class Engine:
     the runtime a policy would be built with (autotune/choose.py; the API passes it in)."""
 
     def __init__(self, model_dir: str | Path, options: EngineConfig, choose=None):
-        self.checkpoint = Checkpoint(model_dir)
+        self.checkpoint = open_checkpoint(model_dir)  # a safetensors directory or a GGUF file
         self.config = self.checkpoint.config
         options.check_model(self.config)
         self.device = resolve_device(options.device)
@@ -82,7 +82,7 @@ class Engine:
             # the transfer thread's reads and copies off the compute path.
             torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 2) // 2))
         self.dtype = resolve_dtype(options.dtype, self.checkpoint, self.device)
-        self.tokenizer = Tokenizer.from_dir(self.checkpoint.dir)
+        self.tokenizer = load_tokenizer(self.checkpoint)
         self.max_model_len = min(
             options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
         )

@@ -36,6 +36,7 @@ from ..base.quantized_tensors import FP4_VALUES, SCALE_DTYPES, expand_scales
 from ..base.specs import ExpertSpec
 from ..model.layers import as_dtype
 from ..model.moe import expert_forward, run_expert
+from .gguf_format import GGUFFormat
 from .kernels import ALIGN, KernelChoice, Shape, choose, int4_mm, int4_pack
 
 
@@ -182,6 +183,8 @@ def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
                   checkpoint_dtype: torch.dtype | None = None) -> ExpertFormat:
     """How this model's experts are held: the checkpoint's quantized blobs, else float
     buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout."""
+    if config.expert_quant is not None and config.expert_quant.source == "gguf":  # a GGUF file's own encoding
+        return GGUFFormat(config.expert, config.expert_quant)
     if config.expert_quant is not None:
         return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
     return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype))

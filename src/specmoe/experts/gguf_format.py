@@ -1,0 +1,98 @@
+"""A GGUF file's routed expert, kept in the file's encoding (Q8_0, Q4_K, MXFP4, ...): the
+blob of base/gguf_layout.py is what the tiers store, a fetch moves and a pool slot holds.
+Computing the expert dequantizes one matrix at a time (gate, up, then down) to the compute
+dtype where it runs (base/gguf_quants.py, vectorized per block type) and multiplies: the
+scratch is one matrix, as for the other quantized formats (formats.QuantizedFormat).
+
+The class has `formats.ExpertFormat`'s interface (formats.expert_format builds it).
+Shapes: T tokens, D hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..base.checkpoint import Checkpoint
+from ..base.errors import SpecMoEError
+from ..base.gguf_layout import GGUFExpertQuant
+from ..base.gguf_quants import TYPE_NAMES, dequantize, native
+from ..base.specs import ExpertSpec
+from ..model.moe import expert_forward
+
+
+class GGUFFormat:
+    storage_dtype = torch.uint8
+    slot_dtype = torch.uint8
+    converts = False  # a slot holds the blob as stored
+    kernels: dict[str, str] = {}
+
+    def __init__(self, spec: ExpertSpec, quant: GGUFExpertQuant):
+        self.spec, self.quant, self.numel = spec, quant, quant.nbytes
+        self.name = f"gguf-{quant.scheme.replace('/', '-')}"
+        self.uniform = quant.uniform  # None: each blob's header says how it is encoded
+        self._sections = {t: quant.sections(t) for t in quant.combos}
+        for combo in quant.combos:
+            for t in combo:
+                if not native(t):  # dequantized through the gguf package, on the CPU (slow, but exact)
+                    self.kernels = {**self.kernels, f"gguf {t}": "dequantized by the gguf package on the CPU"}
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel
+
+    @property
+    def slot_numel(self) -> int:
+        return self.numel
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.numel
+
+    def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
+        return ckpt.expert_blob(layer, expert)
+
+    def prepare(self, stored: torch.Tensor, slot: torch.Tensor) -> None:
+        slot.copy_(stored)
+
+    def forward(self, slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_stored(slot, x)
+
+    def _types(self, blob: torch.Tensor) -> tuple[str, str, str]:
+        if self.uniform is not None:
+            return self.uniform
+        ids = blob[:3].tolist()  # a mixed file: the blob's header (a device sync on CUDA)
+        types = tuple(TYPE_NAMES.get(i, "?") for i in ids)
+        if types not in self._sections:
+            raise SpecMoEError(f"internal: a GGUF expert blob names encodings {types}, not one of this model's")
+        return types
+
+    def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The expert on x [T, D] from its blob, in x's dtype."""
+        types = self._types(stored)
+        sec = self._sections[types]
+        D, I = self.spec.hidden, self.spec.inter
+
+        def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
+            offset, n = sec[name]
+            return dequantize(stored[offset:offset + n], type_name, rows, cols, x.dtype)
+
+        def linear_in(t: torch.Tensor) -> torch.Tensor:  # [T, 2I]: gate's outputs, then up's
+            gate = F.linear(t, matrix("gate", types[0], I, D))
+            return torch.cat([gate, F.linear(t, matrix("up", types[1], I, D))], dim=-1)
+
+        def linear_out(t: torch.Tensor) -> torch.Tensor:
+            return F.linear(t, matrix("down", types[2], D, I))
+
+        b_in = b_out = None
+        if self.quant.bias:
+            (o_in, n_in), (o_out, n_out) = sec["b_in"], sec["b_out"]
+            b_in = stored[o_in:o_in + n_in].view(torch.float32).to(x.dtype)
+            b_out = stored[o_out:o_out + n_out].view(torch.float32).to(x.dtype)
+        return expert_forward(self.spec, x, linear_in, linear_out, b_in, b_out)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        """One matrix dequantized, with the float32 codes and scales of its blocks beside it."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return self.spec.hidden * self.spec.inter * (elem + 2 * 4)
+
