@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..base.checkpoint import Checkpoint
+from ..base.gguf_checkpoint import open_checkpoint
 from ..base.config import EngineConfig
 from ..base.paths import default_model_dir
 from ..base.trace import read_trace
@@ -104,7 +104,7 @@ def run_probe(model_dir: Path, threads: int | None, workdir: Path,
     """Trace the PROBE_RUNS on `model_dir`: per run, each prefill pass and one decode
     sample, the median decode pass (a shared machine's hiccups are not the engine's
     cost) with its experts and fetches averaged."""
-    checkpoint = Checkpoint(model_dir)
+    checkpoint = open_checkpoint(model_dir)
     dtype = resolve_dtype("auto", checkpoint, torch.device("cpu"))
     stored = checkpoint_format(checkpoint, dtype).storage_dtype
     shape = as_run(shape_of(checkpoint.config, model_dir.name), dtype.itemsize, stored.itemsize)

@@ -144,10 +144,40 @@ class GGUFCheckpoint(Checkpoint):
     def fingerprint(self) -> str:
         return self.file.fingerprint()
 
+    def summary(self) -> dict:
+        """For `specmoe info`: the file, its llama.cpp architecture, the encoding of each kind
+        of tensor (with how many tensors have it) and one expert's bytes as stored."""
+        kinds: dict[str, dict[str, int]] = {}
+        for t in self.file.tensors.values():
+            per = kinds.setdefault(tensor_kind(t.name), {})
+            per[t.type_name] = per.get(t.type_name, 0) + 1
+        q = self.config.expert_quant
+        return {"gguf_file": str(self.path), "gguf_shards": len(self.file.paths), "gguf_architecture": self.arch,
+                "quantization": {k: ", ".join(f"{n} x{c}" for n, c in v.items()) for k, v in sorted(kinds.items())},
+                "expert_bytes_as_stored": {"/".join(t): q.stored_bytes(t) for t in q.combos}}
+
     def tokenizer(self) -> Tokenizer | None:
         if (self.dir / "tokenizer.json").is_file():  # beside the file: it takes precedence
             return Tokenizer(self.dir)
         return gguf_tokenizer(self.file)
+
+
+def tensor_kind(name: str) -> str:
+    """What a GGUF tensor is, for `specmoe info`."""
+    part = name.split(".")[-2] if name.count(".") >= 1 else name
+    if name.endswith(".bias") or part.endswith("_b") and part.startswith("exp_probs"):
+        return "biases"
+    if part.endswith("norm"):
+        return "norms"
+    table = {"token_embd": "embedding", "output": "lm head", "ffn_gate_inp": "routers", "ffn_gate_exps": "experts gate",
+             "ffn_up_exps": "experts up", "ffn_down_exps": "experts down"}
+    if part in table:
+        return table[part]
+    if part.endswith("shexp"):
+        return "shared experts"
+    if part.startswith("attn"):
+        return "attention"
+    return "dense MLP" if part in ("ffn_gate", "ffn_up", "ffn_down") else part
 
 
 def rope_to_half(w: torch.Tensor, heads: int) -> torch.Tensor:

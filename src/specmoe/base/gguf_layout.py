@@ -67,6 +67,10 @@ class GGUFExpertQuant:
             offset = _align(offset + n)
         return out
 
+    def stored_bytes(self, types: tuple[str, str, str]) -> int:
+        """The expert's bytes in the file: its slices of the three stacked tensors (and biases)."""
+        return sum(n for name, (_, n) in self.sections(types).items() if name != "header")
+
     def blob_bytes(self, types: tuple[str, str, str]) -> int:
         return _align(max(o + n for o, n in self.sections(types).values()))
 

@@ -109,15 +109,15 @@ def _bits(mask: torch.Tensor, count: int, width: int = 1) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b, 0))
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * (_nibbles(b[:, 2:]).float() - 8)
+    return _nibbles(b[:, 2:]).float().sub_(8).mul_(_f16(b, 0))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _nibbles(b[:, 4:]).float() + _f16(b, 2)
+    return _nibbles(b[:, 4:]).float().mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _fifth_bits(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -127,12 +127,12 @@ def _fifth_bits(b: torch.Tensor, at: int) -> torch.Tensor:
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 6:]) | (_fifth_bits(b, 2) << 4)
-    return _f16(b, 0) * (q.float() - 16)
+    return q.float().sub_(16).mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 8:]) | (_fifth_bits(b, 4) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
+    return q.float().mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +151,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     sc, mn = _scale_min_k4(b[:, 4:16])
     q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).float()
-    return ((_f16(b, 0) * sc)[:, :, None] * q - (_f16(b, 2) * mn)[:, :, None]).reshape(n, 256)
+    return q.mul_((_f16(b, 0) * sc)[:, :, None]).sub_((_f16(b, 2) * mn)[:, :, None]).reshape(n, 256)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     sc, mn = _scale_min_k4(b[:, 4:16])
     low = _nibbles(b[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
     q = (low | (_bits(b[:, 16:48], 8) << 4)).float()
-    return ((_f16(b, 0) * sc)[:, :, None] * q - (_f16(b, 2) * mn)[:, :, None]).reshape(n, 256)
+    return q.mul_((_f16(b, 0) * sc)[:, :, None]).sub_((_f16(b, 2) * mn)[:, :, None]).reshape(n, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -173,7 +173,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     high = _bits(b[:, 128:192].reshape(n * 2, 32), 4, 2).reshape(n, 256)
     q = (low | (high << 4)).float().sub_(32).view(n, 16, 16)
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    return ((_f16(b, 208) * scales)[:, :, None] * q).reshape(n, 256)
+    return q.mul_((_f16(b, 208) * scales)[:, :, None]).reshape(n, 256)
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     s = b[:, :16]
     q = _bits(b[:, 16:80].reshape(n * 2, 32), 4, 2).reshape(n, 16, 16).float()
     d, dmin = _f16(b, 80), _f16(b, 82)
-    return ((d * (s & 0x0F).float())[:, :, None] * q - (dmin * (s >> 4).float())[:, :, None]).reshape(n, 256)
+    return q.mul_((d * (s & 0x0F).float())[:, :, None]).sub_((dmin * (s >> 4).float())[:, :, None]).reshape(n, 256)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
@@ -198,14 +198,14 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     s = b[:, 96:108]
     top = _bits(s[:, 8:12], 4, 2).reshape(n, 16)
     scales = (_nibbles(s[:, :8]) | (top << 4)).float() - 32
-    return ((_f16(b, 108) * scales)[:, :, None] * q).reshape(n, 256)
+    return q.mul_((_f16(b, 108) * scales)[:, :, None]).reshape(n, 256)
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     """One e8m0 exponent e, 16 bytes of e2m1 nibbles; x = doubled value * 2^(e - 128)."""
     table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
     values = table[_nibbles(b[:, 1:]).long()]
-    return torch.ldexp(values, b[:, :1].to(torch.int32) - 128)
+    return values.mul_(torch.exp2(b[:, :1].float() - 128))
 
 
 _DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ..base.config import OFFLOAD_TIERS, POLICY_NAMES, EngineConfig, ModelConfig, expert_share
+from ..base.config import OFFLOAD_TIERS, POLICY_NAMES, EngineConfig, expert_share
+from ..base.gguf_checkpoint import open_checkpoint
 from ..base.errors import SpecMoEError
 from ..base.paths import resolve_model_dir
 from ..base.prompts import read_prompts_file
@@ -242,7 +243,7 @@ def run_bench(args) -> int:
 
 def _run_bench(args, s: Settings) -> int:
 
-    cfg = ModelConfig.from_dir(Path(s.model_dir))
+    cfg = open_checkpoint(Path(s.model_dir)).config
     prompts = encode_prompts(read_prompts_file(s.prompts_file), Path(s.model_dir), cfg.vocab_size)
     info = model_info(s.model_dir, dtype=s.dtype, device=s.device)
     suite = Suite(s, cfg, info, prompts, machine_info())

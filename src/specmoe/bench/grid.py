@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..base.errors import SpecMoEError
-from ..base.tokenizer import Tokenizer
+from ..base.gguf_checkpoint import load_tokenizer, open_checkpoint
 
 EXPERT_FRACTION = 0.3  # share of all expert bytes the default budget gives the expert pool
 
@@ -47,7 +47,7 @@ def encode_prompts(prompts: list, model_dir: Path, vocab_size: int) -> list[list
     for n, p in enumerate(prompts, 1):
         if isinstance(p, str):
             if tokenizer is None:
-                tokenizer = Tokenizer.from_dir(Path(model_dir))
+                tokenizer = load_tokenizer(open_checkpoint(Path(model_dir)))
                 if tokenizer is None:
                     raise SpecMoEError(
                         f"{model_dir} has no tokenizer.json, so text prompts cannot be encoded: "

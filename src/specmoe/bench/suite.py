@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..base.checkpoint import Checkpoint
+from ..base.gguf_checkpoint import open_checkpoint
 from ..base.paths import cache_dir
 from ..engine.engine import resolve_device, resolve_dtype
 from ..engine.sampling import SamplingParams
@@ -52,8 +52,6 @@ class Suite:
                 self.anchors_ok.append(name)
         if not settings.grid:  # anchors run beside the grid only
             self.anchors_ok, self.anchor_skips = [], []
-        if "llama.cpp" in self.anchors_ok and any(b > 1 for b in settings.batch_sizes):
-            self.notes.append("llama.cpp runs at B=1 only (one request after another; its batched API is not driven)")
         self.budgets: dict[int, int] = {}
         self.max_lens: dict[int, int] = {}
         self.traces: list[Path] = []
@@ -104,11 +102,12 @@ class Suite:
 
         s = self.s
         device = resolve_device(s.device)
-        dtype = resolve_dtype(s.dtype, Checkpoint(Path(s.model_dir)), device)
+        dtype = resolve_dtype(s.dtype, open_checkpoint(Path(s.model_dir)), device)
 
         def build():
             if name == "llama.cpp":  # as many threads as the engines built before it set
-                return anchor_mod.LlamaCppRunner(s.model_dir, prompts, s.max_tokens, torch.get_num_threads(), cache_dir())
+                return anchor_mod.LlamaCppRunner(s.model_dir, prompts, batch, s.max_tokens, torch.get_num_threads(),
+                                                 cache_dir())
             return anchor_mod.TransformersRunner(s.model_dir, prompts, batch, s.max_tokens, device, dtype)
         return Builder(name, "anchor", build)
 

@@ -92,7 +92,8 @@ class GGUFFormat:
         return expert_forward(self.spec, x, linear_in, linear_out, b_in, b_out)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
-        """One matrix dequantized, with the float32 codes and scales of its blocks beside it."""
+        """One matrix dequantized: its float32 values (scaled in place) and, computing in
+        another dtype, their conversion."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return self.spec.hidden * self.spec.inter * (elem + 2 * 4)
+        return self.spec.hidden * self.spec.inter * (4 + (elem if dtype != torch.float32 else 0))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..base.checkpoint import Checkpoint
+from ..base.gguf_checkpoint import GGUFCheckpoint, open_checkpoint
 from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
@@ -51,7 +51,7 @@ def run_info(args) -> int:
 
 def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
                draft_quant=None) -> dict:
-    ckpt = Checkpoint(resolve_model_dir(model))
+    ckpt = open_checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
@@ -83,6 +83,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
+    if isinstance(ckpt, GGUFCheckpoint):  # the file's encodings, per kind of tensor
+        info.update(ckpt.summary())
     if c.seq2seq:  # the encoder runs once per request, the decoder every step (and drafts)
         info.update(
             encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),

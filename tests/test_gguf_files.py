@@ -1,0 +1,163 @@
+"""How --model finds a GGUF model (a file, a directory holding one, a split model's first
+shard), its tokenizer (the file's own vocabulary, or a tokenizer.json beside it), what
+`specmoe info` says about it, and bad files: one clear error naming what and what to do."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from factories import random_prompts, run_cli  # noqa: E402
+from gguf_factories import make_gguf  # noqa: E402
+
+from specmoe import LLM, SamplingParams  # noqa: E402
+from specmoe.base.errors import SpecMoEError  # noqa: E402
+from specmoe.base.paths import DEMO_MODEL_DIR  # noqa: E402
+from specmoe.base.tokenizer import Tokenizer  # noqa: E402
+from specmoe.tools.gguf_convert import convert  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SHAPE = dict(device="cpu", max_batch_size=3, max_model_len=32)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """(Hugging Face dir, its Q8_0 GGUF file, the file's greedy token sha)."""
+    hf, path = make_gguf(tmp_path_factory.mktemp("mixtral"), "mixtral", "Q8_0")
+    llm = LLM(model=str(path), **SHAPE)
+    llm.generate(random_prompts(3, min_len=3, max_len=9, seed=7), GREEDY)
+    return hf, path, llm.last_stats["token_ids_sha256"]
+
+
+def _sha(model) -> str:
+    llm = LLM(model=str(model), **SHAPE)
+    llm.generate(random_prompts(3, min_len=3, max_len=9, seed=7), GREEDY)
+    return llm.last_stats["token_ids_sha256"]
+
+
+def test_a_directory_holding_one_gguf_file_is_that_model(mixtral, tmp_path):
+    _, path, sha = mixtral
+    shutil.copy(path, tmp_path / path.name)
+    assert _sha(tmp_path) == sha
+
+
+def test_a_directory_with_two_gguf_models_asks_for_the_file(mixtral, tmp_path):
+    _, path, _ = mixtral
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copy(path, tmp_path / name)
+    with pytest.raises(SpecMoEError, match=r"expected one GGUF model file, found a.gguf, b.gguf; pass --model FILE"):
+        LLM(model=str(tmp_path), **SHAPE)
+
+
+def test_a_split_model_read_from_its_first_shard_is_the_whole_model(mixtral, tmp_path):
+    hf, _, sha = mixtral
+    convert(hf, tmp_path / "model.gguf", "Q8_0", split_max_tensors=10)
+    shards = sorted(tmp_path.glob("model-*-of-*.gguf"))
+    assert len(shards) >= 2 and shards[0].name.endswith("-00001-of-%05d.gguf" % len(shards))
+    assert _sha(shards[0]) == sha
+    with pytest.raises(SpecMoEError, match="is shard 2 of a split GGUF model; pass the first shard"):
+        LLM(model=str(shards[1]), **SHAPE)
+    shards[-1].unlink()
+    with pytest.raises(SpecMoEError, match=f"{shards[-1].name}: shard {len(shards)} of {len(shards)} .* is missing"):
+        LLM(model=str(shards[0]), **SHAPE)
+
+
+def test_a_truncated_file_is_one_clear_error(mixtral, tmp_path):
+    _, path, _ = mixtral
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 3 // 4])
+    with pytest.raises(SpecMoEError, match=r"cut.gguf: not a readable GGUF file, truncated or corrupt .*download it"):
+        LLM(model=str(tmp_path / "cut.gguf"), **SHAPE)
+    (tmp_path / "header.gguf").write_bytes(data[:200])
+    with pytest.raises(SpecMoEError, match=r"header.gguf: not a readable GGUF file, truncated or corrupt"):
+        LLM(model=str(tmp_path / "header.gguf"), **SHAPE)
+
+
+def _tiny_file(path, arch: str, **fields):
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_an_architecture_specmoe_does_not_run_is_named(tmp_path):
+    path = _tiny_file(tmp_path / "m.gguf", "mamba", block_count=1)
+    with pytest.raises(SpecMoEError, match=r"m.gguf: GGUF architecture 'mamba' is not supported; specmoe runs "):
+        LLM(model=str(path), **SHAPE)
+
+
+def test_a_dense_model_is_not_an_moe(tmp_path):
+    path = _tiny_file(tmp_path / "dense.gguf", "llama", block_count=1)
+    with pytest.raises(SpecMoEError, match="a dense llama model .no experts.; specmoe runs Mixture-of-Experts models"):
+        LLM(model=str(path), **SHAPE)
+
+
+def test_experts_in_a_type_nothing_here_can_dequantize_are_refused_by_name(mixtral, tmp_path):
+    """Q8_K (llama.cpp's intermediate type, which no file should hold): neither specmoe nor
+    the gguf package dequantizes it, and the engine says so before it runs."""
+    hf, _, _ = mixtral
+    path = convert(hf, tmp_path / "q8k.gguf", "Q8_0")
+    reader = gguf.GGUFReader(str(path), "r+")  # relabel one expert tensor's type in place
+    field = next(t.field for t in reader.tensors if t.name == "blk.0.ffn_up_exps.weight")
+    field.parts[4][0] = int(gguf.GGMLQuantizationType.Q8_K)  # same bytes, now a smaller tensor: still fits
+    reader.data.flush()
+    del reader
+    with pytest.raises(SpecMoEError, match="Q8_K"):
+        LLM(model=str(path), **SHAPE)
+
+
+def test_the_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    code, out, err = run_cli(capsys, "generate", "--model", str(bad), "hello")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "bad.gguf: not a readable GGUF file" in err
+
+
+def test_info_reports_the_encodings_and_bytes_per_expert_as_stored(mixtral, capsys):
+    import json
+
+    _, path, _ = mixtral
+    code, out, _ = run_cli(capsys, "info", "--model", str(path), "--device-memory", "50%", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["family"] == "mixtral" and info["gguf_architecture"] == "llama"
+    assert info["quantization"]["experts gate"] == "Q8_0 x2" and info["quantization"]["norms"].startswith("F32")
+    stored = info["expert_bytes_as_stored"]["Q8_0/Q8_0/Q8_0"]
+    assert stored == 3 * 32 * (64 // 32) * 34  # gate, up: 32 rows of 64; down: 64 rows of 32, 34 bytes a block
+    assert info["expert_bytes"] >= stored and info["experts_fit"] > 0 and "specmoe" in info["policies_fit"]
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(tmp_path_factory):
+    """The bundled demo model as Q8_0 GGUF, its tokenizer written into the file (none beside it)."""
+    return convert(DEMO_MODEL_DIR, tmp_path_factory.mktemp("demo") / "demo-Q8_0.gguf", "Q8_0")
+
+
+def test_the_files_own_vocabulary_tokenizes_as_the_models_tokenizer(demo_gguf):
+    text = "The built-in function len returns the number of items"
+    llm = LLM(model=str(demo_gguf), **SHAPE)
+    want = Tokenizer(DEMO_MODEL_DIR)
+    assert llm.tokenizer.encode(text, add_special_tokens=False) == want.encode(text, add_special_tokens=False)
+    out = llm.generate([text], GREEDY)[0]
+    assert out.text == want.decode(list(out.token_ids))
+
+
+def test_a_tokenizer_json_beside_the_file_takes_precedence(demo_gguf, tmp_path):
+    from specmoe.base.paths import BUNDLED
+
+    shutil.copy(demo_gguf, tmp_path / demo_gguf.name)
+    other = BUNDLED["specmoe-demo-translate"]
+    shutil.copy(other / "tokenizer.json", tmp_path / "tokenizer.json")
+    llm = LLM(model=str(tmp_path / demo_gguf.name), **SHAPE)
+    text = "Save changes to the document"
+    assert llm.tokenizer.encode(text, add_special_tokens=False) == \
+        Tokenizer(other).encode(text, add_special_tokens=False)

@@ -1,0 +1,119 @@
+"""A GGUF model offloaded and speculated like any checkpoint: every policy gives the
+resident GGUF model's tokens, the tiers hold and move each expert's bytes as the file
+encodes them, and the quantized draft copies work on top."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from factories import random_prompts  # noqa: E402
+from gguf_factories import make_gguf  # noqa: E402
+
+from specmoe import LLM, SamplingParams  # noqa: E402
+from specmoe.base.gguf_file import GGUFFile  # noqa: E402
+from specmoe.base.gguf_layout import HEADER  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SHAPE = dict(device="cpu", max_batch_size=4, max_model_len=48)
+MODELS = [("mixtral", "Q4_0"), ("qwen3_moe", "Q8_0"), ("deepseek_v3", "Q4_0"), ("gpt_oss", "MXFP4")]
+POLICIES = [
+    ("ondemand", {}), ("overlap", {}), ("caching", {}), ("host", {"offload": "host"}),
+    # int4 copies (of 4-bit experts too, as big as they are here): room for them and every expert
+    ("specmoe", {"draft_quant": "none"}), ("specmoe", {"draft_quant": "int4", "device_memory": "4MiB"}),
+]
+
+
+@pytest.fixture(scope="module")
+def resident(tmp_path_factory):
+    """Per model: (GGUF path, prompts, the resident model's token_ids_sha256)."""
+    cache = {}
+
+    def get(family, type_name):
+        if (family, type_name) not in cache:
+            _, path = make_gguf(tmp_path_factory.mktemp(family), family, type_name)
+            prompts = random_prompts(4, min_len=3, max_len=14, seed=5)
+            llm = LLM(model=str(path), **SHAPE)
+            llm.generate(prompts, GREEDY)
+            cache[family, type_name] = path, prompts, llm.last_stats["token_ids_sha256"]
+            llm.close()
+        return cache[family, type_name]
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "type_name"), MODELS, ids=[f"{f}-{t}" for f, t in MODELS])
+@pytest.mark.parametrize(("policy", "extra"), POLICIES,
+                         ids=["ondemand", "overlap", "caching", "host", "specmoe-paper-draft", "specmoe-int4-draft"])
+def test_every_policy_gives_the_resident_gguf_models_tokens(resident, tmp_path, family, type_name, policy, extra):
+    path, prompts, sha = resident(family, type_name)
+    llm = LLM(model=str(path), policy=policy, offload_dir=str(tmp_path),
+              **{**SHAPE, "offload": "disk", "device_memory": "60%", **extra})
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert policy == "host" or stats["transfer_bytes"] > 0
+    if extra.get("draft_quant") == "int4":
+        assert stats["draft_quant"] == "int4" and stats["acceptance_rate"] > 0
+    llm.close()
+
+
+def _expert_bytes_in_file(path, layer: int = 0) -> int:
+    """One expert's slices of the block's three stacked tensors, as the file stores them."""
+    f = GGUFFile(path)
+    return sum(f.info(f"blk.{layer}.{p}.weight").nbytes // f.info(f"blk.{layer}.{p}.weight").shape[0]
+               for p in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+
+
+def test_a_fetch_moves_the_experts_bytes_as_the_file_stores_them(resident, tmp_path):
+    """A slot and a fetch are the expert's stored bytes (and a 16-byte header, section
+    alignment): what the reader copies into each slot, and what transfer_bytes counts."""
+    path, prompts, _ = resident("mixtral", "Q4_0")
+    llm = LLM(model=str(path), policy="ondemand", device_memory="60%", offload_dir=str(tmp_path), **SHAPE)
+    store = llm.engine.policy.store
+    copied, original = [], store.read_into
+    store.read_into = lambda key, dest: (copied.append(dest.numel() * dest.element_size()), original(key, dest))[1]
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    stored = _expert_bytes_in_file(path)
+    blob = llm.engine.config.expert_quant.nbytes
+    assert stored <= blob <= stored + HEADER + 3 * 16  # the header and the sections' alignment, nothing else
+    assert blob < 0.2 * 4 * 3 * 32 * 64  # Q4_0: about an eighth of the float32 expert
+    assert stats["experts_fetched"] == len(copied) > 0 and set(copied) == {blob}
+    assert stats["transfer_bytes"] == blob * stats["experts_fetched"]
+    assert llm.engine.policy.pool.slot_bytes == blob
+    llm.close()
+
+
+def test_blocks_in_different_encodings_read_and_offload_exactly(tmp_path):
+    """Q4_K_M keeps some blocks' down projections wider: a file whose blocks differ gives
+    every policy the resident model's tokens, each blob read by the encodings its header names."""
+    _, path = make_gguf(tmp_path, "mixtral", "Q4_0", down_types={0: "Q8_0", 1: "Q5_1"})
+    quant = LLM(model=str(path), **SHAPE).engine.config.expert_quant
+    assert quant.uniform is None and quant.scheme == "Q4_0/Q8_0/Q5_1"
+    prompts = random_prompts(3, min_len=3, max_len=12, seed=6)
+    ref = LLM(model=str(path), **SHAPE)
+    ref.generate(prompts, GREEDY)
+    for policy in ("ondemand", "specmoe"):
+        llm = LLM(model=str(path), policy=policy, device_memory="60%", offload_dir=str(tmp_path), **SHAPE)
+        llm.generate(prompts, GREEDY)
+        assert llm.last_stats["token_ids_sha256"] == ref.last_stats["token_ids_sha256"]
+        llm.close()
+    ref.close()
+
+
+def test_the_expert_file_header_records_the_gguf_encoding(resident, tmp_path):
+    import json
+
+    path, _, _ = resident("gpt_oss", "MXFP4")
+    llm = LLM(model=str(path), policy="ondemand", offload="disk", device_memory="60%", offload_dir=str(tmp_path),
+              **SHAPE)
+    store = llm.engine.policy.store
+    with open(store.path, "rb") as f:
+        f.seek(8)
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["quantization"]["source"] == "gguf" and header["quantization"]["scheme"] == "MXFP4"
+    assert header["expert_bytes"] == store.nbytes == llm.engine.config.expert_quant.nbytes
+    llm.close()
