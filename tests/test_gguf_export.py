@@ -82,9 +82,24 @@ def test_llama_cpp_on_the_copy_decodes_the_demo_model_as_resident_does(tmp_path)
     from specmoe.bench.anchors import LlamaCppRunner
 
     prompts = [[345, 88, 1020, 77, 9], [12, 600, 31]]
-    record, theirs = LlamaCppRunner(default_model_dir(), prompts, 16, 1, tmp_path).run()
+    record, theirs = LlamaCppRunner(default_model_dir(), prompts, 1, 16, 1, tmp_path).run()
     ours = [o.token_ids for o in LLM().generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
                                                                        ignore_eos=True))]
     agree = sum(a == b for t, o in zip(theirs, ours) for a, b in zip(t, o)) / sum(map(len, ours))
     assert [t[0] for t in theirs] == [o[0] for o in ours] and agree >= 0.9, (theirs, ours)
     assert record["decode_tokens_per_s"] > 0
+
+
+def test_llama_cpp_batched_decodes_each_sequence_as_it_does_alone(tmp_path):
+    """Its batch API at B = 3 (three sequences of different lengths in one KV cache) gives
+    each sequence the tokens it gets decoded alone: no sequence reads another's cache."""
+    pytest.importorskip("llama_cpp")
+    from specmoe.bench.anchors import LlamaCppRunner
+
+    prompts = [[345, 88, 1020, 77, 9], [12, 600, 31], [7, 7, 900, 41, 2000, 15, 3]]
+    alone = LlamaCppRunner(default_model_dir(), prompts, 1, 12, 1, tmp_path).run()[1]
+    record, together = LlamaCppRunner(default_model_dir(), prompts, 3, 12, 1, tmp_path).run()
+    agree = sum(a == b for t, o in zip(together, alone) for a, b in zip(t, o)) / sum(map(len, alone))
+    assert len(together) == 3 and all(len(t) == 12 for t in together)
+    assert agree >= 0.9 and [t[0] for t in together] == [o[0] for o in alone], (together, alone)
+    assert record["batch_size"] == 3

@@ -4,9 +4,8 @@
   dtype as specmoe, greedy, the same batches (left-padded, with an attention mask).
 - `llama.cpp` (through `llama-cpp-python`; `make anchors` builds it): a float32 GGUF copy
   of the checkpoint (tools/gguf_export.py, Mixtral family), the same prompts as token ids,
-  greedy by the argmax of its logits, the same number of threads as the engines, at
-  batch 1 (one request after another; its batched API is not driven yet, so it is skipped
-  at larger batch sizes). Its kernels add in their own order, so its tokens may differ
+  greedy by the argmax of its logits, the same number of threads as the engines, the same
+  batch size (its batch API: B sequences in one KV cache, one llama_decode a step). Its kernels add in their own order, so its tokens may differ
   from ours after a near tie: the record says how many agree.
 
 An anchor that is not installed is skipped with a one-line note. Decode tokens/s is
@@ -49,8 +48,8 @@ def missing(name: str) -> str | None:
 
 
 def runs_at(name: str, batch_size: int) -> bool:
-    """Whether an anchor runs at this batch size (llama.cpp: batch 1 only, see above)."""
-    return name != "llama.cpp" or batch_size == 1
+    """Whether an anchor runs at this batch size (every anchor runs at every one)."""
+    return name in ANCHORS
 
 
 def _chunks(items: list, size: int) -> list[list]:
@@ -148,51 +147,88 @@ class TransformersRunner(Runner):
 
 
 class LlamaCppRunner(Runner):
-    """llama.cpp on the checkpoint's GGUF copy, one request at a time, greedy."""
+    """llama.cpp on the checkpoint's GGUF copy, greedy, B sequences decoded together
+    through its batch API (llama_decode over one batch holding a token of every
+    sequence, each sequence its own seq_id in one KV cache): at B = 1 one request after
+    another, as a llama.cpp user runs it; at B > 1 as its `llama-batched` example does."""
 
     kind = "anchor"
     label = "llama.cpp"
 
-    def __init__(self, model_dir, prompts: list[list[int]], max_tokens: int, threads: int, cache: Path):
+    def __init__(self, model_dir, prompts: list[list[int]], batch_size: int, max_tokens: int, threads: int,
+                 cache: Path):
         import llama_cpp
 
-        ckpt = Checkpoint(Path(model_dir))
-        path = cached_gguf(ckpt, cache)
-        longest = max(len(p) for p in prompts)
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=longest + max_tokens + 1, n_batch=max(512, longest),
-                                   n_threads=threads, n_threads_batch=threads, verbose=False)
-        self.llama_cpp = llama_cpp
-        self.prompts, self.max_tokens = prompts, max_tokens
-        self.fields = {"version": llama_cpp.__version__, "dtype": "float32", "threads": threads, "gguf": path.name}
+        self.lib = lib = llama_cpp
+        path = cached_gguf(Checkpoint(Path(model_dir)), cache)
+        self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: llama.cpp holds the pointer
+        lib.llama_log_set(self._quiet, None)
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        chunks = _chunks(prompts, batch_size)
+        prefill = max(sum(len(p) for p in c) for c in chunks)
+        cp = lib.llama_context_default_params()
+        cp.n_seq_max = batch_size
+        cp.n_ctx = batch_size * (max(len(p) for p in prompts) + max_tokens + 1)
+        cp.n_batch = cp.n_ubatch = max(512, prefill)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.kv_unified = True  # one cache for all sequences, as llama-batched uses it
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        self.batch = lib.llama_batch_init(cp.n_batch, 0, batch_size)
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.prompts, self.batch_size, self.max_tokens = prompts, batch_size, max_tokens
+        self.fields = {"version": lib.__version__, "dtype": "float32", "threads": threads, "gguf": path.name}
 
-    def _generate(self, prompt: list[int]) -> tuple[list[int], list[float]]:
-        """Greedy tokens and the time each one's logits were ready."""
-        llm, vocab = self.llm, self.llm.n_vocab()
-        llm.reset()
-        tokens, times = [], []
-        feed = prompt
-        for _ in range(self.max_tokens):
-            llm.eval(feed)  # without logits_all it keeps no copy: read the last position's logits in place
-            logits = np.ctypeslib.as_array(self.llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
-            token = int(np.argmax(logits))
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode over (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama.cpp's llama_decode failed (KV cache full?)")
+
+    def _argmax(self, i: int) -> int:
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))
+        return int(np.argmax(logits))
+
+    def _generate(self, chunk: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+        """Greedy tokens of each sequence and the time each step's logits were read."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        entries = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(chunk) for pos, t in enumerate(p)]
+        self._decode(entries)
+        last = [i for i, e in enumerate(entries) if e[3]]  # each sequence's last prompt position
+        outputs: list[list[int]] = [[] for _ in chunk]
+        times = []
+        for step in range(self.max_tokens):
+            for s, i in enumerate(last):
+                outputs[s].append(self._argmax(i))
             times.append(time.perf_counter())
-            tokens.append(token)
-            feed = [token]
-        return tokens, times
+            if step + 1 < self.max_tokens:
+                self._decode([(out[-1], len(p) + step, s, True) for s, (p, out) in enumerate(zip(chunk, outputs))])
+                last = list(range(len(chunk)))
+        return outputs, times
 
     def run(self):
         outputs, ttfts, decode_s = [], [], 0.0
         start = time.perf_counter()
-        for prompt in self.prompts:
+        for chunk in _chunks(self.prompts, self.batch_size):
             t0 = time.perf_counter()
-            tokens, times = self._generate(prompt)
-            outputs.append(tokens)
+            tokens, times = self._generate(chunk)
+            outputs += tokens
             ttfts.append(times[0] - t0)
             decode_s += times[-1] - times[0]
         wall = time.perf_counter() - start
-        return _record(self.label, 1, self.prompts, outputs, wall, ttfts, decode_s, dict(self.fields)), outputs
+        return (_record(self.label, self.batch_size, self.prompts, outputs, wall, ttfts, decode_s, dict(self.fields)),
+                outputs)
 
     def close(self):
-        self.llm.close()
-        self.llm = None
+        lib = self.lib
+        lib.llama_batch_free(self.batch)
+        lib.llama_free(self.ctx)
+        lib.llama_model_free(self.model)
+        self.ctx = self.model = None
         gc.collect()
