@@ -5,12 +5,13 @@ encodes them, and the quantized draft copies work on top."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 from factories import random_prompts  # noqa: E402
-from gguf_factories import make_gguf  # noqa: E402
+from gguf_factories import make_gguf, reference_logprobs, reference_model  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
 from specmoe.base.gguf_file import GGUFFile  # noqa: E402
@@ -90,11 +91,14 @@ def test_a_fetch_moves_the_experts_bytes_as_the_file_stores_them(resident, tmp_p
 def test_blocks_in_different_encodings_read_and_offload_exactly(tmp_path):
     """Q4_K_M keeps some blocks' down projections wider: a file whose blocks differ gives
     every policy the resident model's tokens, each blob read by the encodings its header names."""
-    _, path = make_gguf(tmp_path, "mixtral", "Q4_0", down_types={0: "Q8_0", 1: "Q5_1"})
-    quant = LLM(model=str(path), **SHAPE).engine.config.expert_quant
-    assert quant.uniform is None and quant.scheme == "Q4_0/Q8_0/Q5_1"
+    hf, path = make_gguf(tmp_path, "mixtral", "Q4_0", down_types={0: "Q8_0", 1: "Q5_1"})
     prompts = random_prompts(3, min_len=3, max_len=12, seed=6)
     ref = LLM(model=str(path), **SHAPE)
+    quant = ref.engine.config.expert_quant
+    assert quant.uniform is None and quant.scheme == "Q4_0/Q8_0/Q5_1"
+    want = reference_logprobs(reference_model("mixtral", str(hf), str(path)), prompts)
+    for got, w in zip(ref.score(prompts), want):
+        assert (torch.as_tensor(got) - w).abs().max() <= 1e-4
     ref.generate(prompts, GREEDY)
     for policy in ("ondemand", "specmoe"):
         llm = LLM(model=str(path), policy=policy, device_memory="60%", offload_dir=str(tmp_path), **SHAPE)
