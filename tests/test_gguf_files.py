@@ -46,6 +46,14 @@ def test_a_directory_holding_one_gguf_file_is_that_model(mixtral, tmp_path):
     assert _sha(tmp_path) == sha
 
 
+def test_a_gguf_file_without_the_suffix_is_read_by_its_magic(mixtral, tmp_path):
+    """Ollama keeps models as blobs named by their hash (~/.ollama/models/blobs/sha256-...)."""
+    _, path, sha = mixtral
+    blob = tmp_path / "sha256-0123abcd"
+    shutil.copy(path, blob)
+    assert _sha(blob) == sha
+
+
 def test_a_directory_with_two_gguf_models_asks_for_the_file(mixtral, tmp_path):
     _, path, _ = mixtral
     for name in ("a.gguf", "b.gguf"):

@@ -46,10 +46,14 @@ class GGUFTensor:
 
 
 def is_gguf(path: Path) -> bool:
-    """Whether --model names a GGUF model: a .gguf file, or a directory with one and no config.json."""
+    """Whether --model names a GGUF model: a .gguf file, a file that starts as GGUF files do
+    (Ollama keeps its models as blobs named by their hash), or a directory with one and no config.json."""
     path = Path(path)
     if path.suffix == ".gguf":
         return True
+    if path.is_file():
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
     return path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))
 
 
