@@ -169,3 +169,20 @@ def test_a_tokenizer_json_beside_the_file_takes_precedence(demo_gguf, tmp_path):
     text = "Save changes to the document"
     assert llm.tokenizer.encode(text, add_special_tokens=False) == \
         Tokenizer(other).encode(text, add_special_tokens=False)
+
+
+def test_the_benchmark_section_is_made_from_its_document():
+    """benchmarks/gguf_models.py's document -> BENCHMARKS.md's GGUF tables: every figure is the document's."""
+    from specmoe.bench.gguf_tables import gguf_models
+
+    models = {"bf16": {"expert_format": "bf16", "expert_bytes": 196608, "perplexity": 33.5, "perplexity_tokens": 900},
+              "Q4_K": {"expert_format": "Q4_K/Q5_0 (gguf)", "expert_bytes": 59392, "perplexity": 33.75,
+                       "perplexity_tokens": 900, "file_bytes": 10 << 20}}
+    records = [{"model": m, "policy": "caching", "batch_size": 16, "decode_tokens_per_s": tps,
+                "transfer_bytes_per_token": mb * 1e6, "vs_ondemand_bf16": ratio}
+               for m, tps, mb, ratio in [("bf16", 50.0, 4.0, 1.0), ("Q4_K", 61.25, 0.5, 1.225)]]
+    config = {"policies": ["caching"], "dtype": "bfloat16", "gamma": 5, "max_tokens": 32, "batches": 2, "repeats": 3,
+              "expert_fraction": 0.3}
+    text = gguf_models({"config": config, "models": models, "records": records})
+    assert "| Q4_K | Q4_K/Q5_0 (gguf) | 58.0 KiB | 10.0 MiB | 33.750 |" in text and "| bf16 | bf16 | 192.0 KiB | – |" in text
+    assert "| Q4_K | caching | 61.2 (×1.23), 0.500 MB |" in text

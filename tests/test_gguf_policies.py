@@ -121,3 +121,14 @@ def test_the_expert_file_header_records_the_gguf_encoding(resident, tmp_path):
     assert header["quantization"]["source"] == "gguf" and header["quantization"]["scheme"] == "MXFP4"
     assert header["expert_bytes"] == store.nbytes == llm.engine.config.expert_quant.nbytes
     llm.close()
+
+
+def test_auto_drafts_with_copies_narrower_than_the_experts_as_stored(resident, tmp_path):
+    """--draft-quant auto compares with the bits per weight the file stores, scales
+    included: int4 copies under Q4_0's 4.5 bits, int8 under Q8_0's 8.5 (both then run
+    through torch's fused kernels instead of dequantizing every draft step)."""
+    for family, type_name, want in (("mixtral", "Q4_0", "int4"), ("qwen3_moe", "Q8_0", "int8")):
+        path, _, _ = resident(family, type_name)
+        llm = LLM(model=str(path), policy="specmoe", device_memory="4MiB", offload_dir=str(tmp_path), **SHAPE)
+        assert llm.engine.policy.draft_quant == want
+        llm.close()

@@ -27,9 +27,10 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True)
 class Bits:
-    """What the draft's copies compare with (experts/quant.draft_modes): whole bits per weight."""
+    """What the draft's copies compare with (experts/quant.draft_modes): bits per weight as
+    stored, scales included (Q4_K: 4.5, so int4 copies, 4 bits and their scales, may draft)."""
 
-    bits: int
+    bits: float
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class GGUFExpertQuant:
 
     @property
     def w_in(self) -> Bits:
-        return Bits(int(min(bits_per_weight(t) for combo in self.combos for t in combo)))
+        return Bits(min(bits_per_weight(t) for combo in self.combos for t in combo))
 
     def describe(self) -> str:
         bits = sorted({8 * self.blob_bytes(t) / self.weights for t in self.combos})

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import replicas, report, tables, translate, validate
+from . import gguf_tables, replicas, report, tables, translate, validate
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
 
@@ -140,6 +140,16 @@ SECTIONS = (
                  "python benchmarks/quantized_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/quantized.json"),),
             lambda docs: tables.quantized_models(docs["quantized.json"])),
+    Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
+            "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
+            "out (the Q4_K file keeps the experts' 128-wide down projections in Q5_0, as llama.cpp falls back). "
+            "Perplexity: every held-out paragraph, float32, experts resident. Speeds: the experts stay in the "
+            "file's encoding on the disk tier, in every transfer and in the pool, and are dequantized where they "
+            "are computed.",
+            (Run("gguf.json", "python benchmarks/gguf_models.py --json {out}/gguf.json",
+                 "python benchmarks/gguf_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
+                 "--json {out}/gguf.json"),),
+            lambda docs: gguf_tables.gguf_models(docs["gguf.json"])),
     Section("ablations", "Ablations of the paper's draft",
             "The paper's draft (`--draft-quant none`: N full-precision experts per block, the rest substituted) "
             "with each knob varied beside ondemand in one rotation, real disk tier.",
