@@ -186,3 +186,22 @@ def test_the_benchmark_section_is_made_from_its_document():
     text = gguf_models({"config": config, "models": models, "records": records})
     assert "| Q4_K | Q4_K/Q5_0 (gguf) | 58.0 KiB | 10.0 MiB | 33.750 |" in text and "| bf16 | bf16 | 192.0 KiB | – |" in text
     assert "| Q4_K | caching | 61.2 (×1.23), 0.500 MB |" in text
+
+
+def test_bench_runs_every_policy_on_a_gguf_file_with_text_prompts(demo_gguf, tmp_path):
+    """`specmoe bench --model FILE.gguf`: text prompts through the file's own tokenizer, every
+    policy's output equal to ondemand's."""
+    import json
+
+    from specmoe.cli import main
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fib(n):\nThe built-in function len returns\n")
+    out = tmp_path / "b.json"
+    code = main(["bench", "--model", str(demo_gguf), "--batch-sizes", "2", "--repeats", "1", "--max-tokens", "3",
+                 "--anchors", "none", "--device-memory", "50%", "--policies", "ondemand,specmoe",
+                 "--prompts-file", str(prompts), "--offload-dir", str(tmp_path), "--threads", "1", "--json", str(out)])
+    assert code == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["policy"] for r in records] == ["ondemand", "specmoe"]
+    assert all(r.get("outputs_match_ondemand", True) for r in records)
