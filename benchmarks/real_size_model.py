@@ -17,7 +17,7 @@ Greedy tokens under transformers equal the demo model's (tests/test_real_size_mo
 at small factors); k = 8, m = 16 give hidden 2048, experts 2048 wide (24 MiB each in
 bfloat16), 128 experts, 3.2 GiB in all. Written as one safetensors shard per layer.
 
-usage: python benchmarks/real_size_model.py OUT_DIR [--hidden-factor 8] [--expert-factor 16]
+usage: python benchmarks/real_size_model.py OUT_DIR [--hidden-factor 8] [--expert-factor 16] [--keep]
 """
 
 from __future__ import annotations
@@ -96,13 +96,27 @@ def write(src: Path, out: Path, k: int, m: int) -> Path:
     return out
 
 
+def built(src: Path, out: Path, k: int, m: int) -> bool:
+    """Whether `out` holds a finished widening of `src` by (k, m): its config, written last,
+    is the widened one."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config == json.loads(json.dumps(widened_config(json.loads((src / "config.json").read_text()), k, m)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="directory of the widened checkpoint")
     p.add_argument("--source", type=Path, default=DEMO, help="a Mixtral-family checkpoint (default: the demo model)")
     p.add_argument("--hidden-factor", type=int, default=8, help="k: hidden size and heads times k")
     p.add_argument("--expert-factor", type=int, default=16, help="m: expert width times m")
+    p.add_argument("--keep", action="store_true", help="leave OUT as it is when it already holds this widening")
     args = p.parse_args(argv)
+    if args.keep and built(args.source, args.out, args.hidden_factor, args.expert_factor):
+        print(f"real_size_model: {args.out} already holds this widening (kept)", file=sys.stderr)
+        return 0
     write(args.source, args.out, args.hidden_factor, args.expert_factor)
     return 0
 

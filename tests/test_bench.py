@@ -280,7 +280,7 @@ def test_every_command_of_the_report_parses(section):
     """A stale flag in a section's command would only show when the lead runs `make bench`."""
     parser = build_parser()
     for run in section.runs:
-        for command in (run.command, run.smoke):
+        for command in [part for c in (run.command, run.smoke) for part in c.split(" && ")]:
             words = shlex.split(command.replace("{out}", "OUT").split(" > ")[0])
             if words[0] == "specmoe":
                 args = parser.parse_args(words[1:])
@@ -323,3 +323,26 @@ def test_the_eval_and_ui_sections_are_made_from_their_documents():
           "request_open_over_closed": None, "events_per_s_per_viewer": 4.25}
     text = tables.ui_overhead({"sse": ui})
     assert "| sse | 3 × 64 requests × 64 tokens, concurrency 16 | 100.0 | 97.5 | 0.975 | – | 4.2 |" in text
+
+
+def test_the_real_size_goals_are_ratios_of_one_runs_figures():
+    """Each goal row divides two records of the same document; a figure not measured says
+    so instead of passing; the paper's draft is set against its own run's ondemand."""
+    from specmoe.bench import tables
+
+    def rec(policy, b, tps, step=1.0, anchor=None):
+        r = {"policy": policy, "kind": "anchor" if anchor else "policy", "batch_size": b, "decode_tokens_per_s": tps,
+             "tokens_per_step": step}
+        return {**r, "anchor": policy} if anchor else r
+
+    grid = {"records": [rec("resident", 1, 10.0), rec("ondemand", 16, 5.0), rec("specmoe", 16, 22.0, 7.5),
+                        rec("resident", 16, 40.0)],
+            "anchors": [rec("llama.cpp", 1, 12.5, anchor=True), rec("llama.cpp", 16, 20.0, anchor=True)]}
+    paper = {"records": [rec("ondemand", 16, 4.0), rec("specmoe", 16, 3.0, 3.25)], "anchors": []}
+    text = tables.real_size_goals(grid, paper)
+    assert "| resident ÷ llama.cpp, B = 1 | 10.0 | 12.5 | 0.80x | 1.0x | no |" in text
+    assert "| resident ÷ llama.cpp, B = 16 | 40.0 | 20.0 | 2.00x | 1.0x | yes |" in text
+    assert "| specmoe (disk, 30 %) ÷ ondemand, B = 16 | 22.0 | 5.0 | 4.40x | 4.0x | yes |" in text
+    assert "| specmoe (disk, 30 %) ÷ ondemand, B = 64 | – | – | – | 2.5x | not measured |" in text
+    assert "| specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16 | 22.0 | 20.0 | 1.10x | 1.0x | yes |" in text
+    assert "| 16 | 22.0 | 7.50 | 4.40x | 3.0 | 3.25 | 0.75x |" in text

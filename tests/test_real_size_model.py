@@ -52,3 +52,21 @@ def test_factors_that_are_not_powers_of_two_are_refused(tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "x"), "--hidden-factor", "3"],
                          capture_output=True, text=True)
     assert run.returncode != 0 and "powers of two" in run.stderr and not (tmp_path / "x" / "config.json").exists()
+
+
+def test_keep_leaves_a_finished_widening_and_rebuilds_another(widened, tmp_path):
+    """--keep: the same factors leave the directory untouched (no shard rewritten); other
+    factors, or a widening that stopped before its config, are written."""
+    shard = next(widened.glob("model-*.safetensors"))
+    before = shard.stat().st_mtime_ns
+    args = [sys.executable, str(SCRIPT), str(widened), "--hidden-factor", "2", "--expert-factor", "4", "--keep"]
+    subprocess.run(args, check=True, capture_output=True)
+    assert shard.stat().st_mtime_ns == before
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text("{")  # a run killed mid-write
+    args[2], args[6] = str(partial), "2"
+    subprocess.run(args, check=True, capture_output=True)
+    config = json.loads((partial / "config.json").read_text())
+    assert config["intermediate_size"] == 2 * json.loads((DEMO_MODEL_DIR / "config.json").read_text())[
+        "intermediate_size"]

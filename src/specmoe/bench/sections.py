@@ -52,6 +52,10 @@ def _grid_extra(doc: dict) -> str:
 
 PROFILE_BASE = "c95390e"  # main before the compute work of this section (profile_passes.py --source-rev)
 STARTUP_BASE = "1702eb7"  # main before the kernel guard and the streaming start-up (real_size_runs.py)
+REAL_SIZE_MODEL = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep"
+REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 "
+                         "--expert-factor 2 --keep")
+REAL_SIZE_RUN = "--repeats 1 --max-tokens 16 --threads 1"
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
 SIMULATIONS = {
@@ -94,6 +98,30 @@ SECTIONS = (
                  "--json {out}/real-size-runs.json", f"python benchmarks/real_size_runs.py --smoke --startup-against "
                  f"{STARTUP_BASE} --rounds 1 --json {{out}}/real-size-runs.json"),),
             lambda docs: tables.real_size_runs(docs["real-size-runs.json"])),
+    Section("real-size", "Real size: every policy and the engines users would pick, at real dimensions",
+            "The real-size model (benchmarks/real_size_model.py: the demo model widened without changing its "
+            "function, 8x in hidden size and heads, 16x in expert width: hidden 2048, 24 MiB bf16 experts, 3.2 GiB; "
+            "a benchmark device with real shapes and a trained model's routing and draft acceptance, not a model "
+            "anyone would deploy), float32, greedy, held-out prompts, one torch thread for every engine: "
+            "specmoe's resident policy, transformers' `generate` and llama.cpp (a float32 GGUF copy, its batch "
+            "API at B > 1) with every weight in memory; every offloading policy on the real disk tier at 30 % of "
+            "the expert bytes; then the paper's draft in a run of its own with ondemand beside it. Each ratio below "
+            "is of two figures of one run.",
+            (Run("real-size.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
+                 f"--batch-sizes 1,16,64 --policies resident,ondemand,overlap,caching,specmoe {REAL_SIZE_RUN} "
+                 "--anchors transformers,llama.cpp --json {out}/real-size.json",
+                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 1,2 "
+                 f"--policies resident,ondemand,specmoe {BENCH_SMOKE} --anchors transformers,llama.cpp "
+                 "--json {out}/real-size.json"),
+             Run("real-size-paper.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
+                 f"--batch-sizes 1,16,64 --policies ondemand,specmoe --draft-quant none {REAL_SIZE_RUN} "
+                 "--anchors none --json {out}/real-size-paper.json",
+                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 1,2 "
+                 f"--policies ondemand,specmoe --draft-quant none {BENCH_SMOKE} --anchors none "
+                 "--json {out}/real-size-paper.json")),
+            lambda docs: (report.markdown(docs["real-size.json"], "real-size", heading=False)
+                          + "\n### The goals, each a ratio within one run\n\n"
+                          + tables.real_size_goals(docs["real-size.json"], docs["real-size-paper.json"]))),
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
             "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "

@@ -339,3 +339,55 @@ def _startup_against(against: dict | None) -> str:
             f"rounds: {', '.join(f'{t:.0f}' for t in times['this tree'])} s against "
             f"{', '.join(f'{t:.0f}' for t in times[rev])} s: {median[rev] / median['this tree']:.2f}x as fast "
             f"(median against median). A fresh cache dir includes the fused kernels' one-time self-check.\n")
+
+
+# --- the real-size section ----------------------------------------------------------------------------
+
+
+def _speeds(doc: dict) -> dict[tuple[str, int], dict]:
+    """(policy or anchor, B) -> its record, skipped runs left out."""
+    recs = [r for r in doc["records"] + doc.get("anchors", []) if not r.get("skipped")]
+    return {(r.get("anchor") or r["policy"], r["batch_size"]): r for r in recs}
+
+
+def _goal_row(what: str, at: dict, num: tuple[str, int], den: tuple[str, int], goal: float | None) -> list[str]:
+    a, b = at.get(num), at.get(den)
+    if a is None or b is None:
+        return [what, "–", "–", "–", _f(goal, "{:.1f}x"), "not measured"]
+    ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+    met = "–" if goal is None else ("yes" if ratio >= goal else "no")
+    return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x", _f(goal, "{:.1f}x"), met]
+
+
+def real_size_goals(grid: dict, paper: dict) -> str:
+    """Each of the real-size goals as a ratio of two figures of one run, then the paper's
+    draft beside the default (each against its own run's ondemand). Peak RSS per policy is
+    the real-size-runs section's (one process a policy: a bench process's peak only grows)."""
+    at = _speeds(grid)
+    rows = []
+    for b in (1, 16):
+        rows.append(_goal_row(f"resident ÷ llama.cpp, B = {b}", at, ("resident", b), ("llama.cpp", b), 1.0))
+        rows.append(_goal_row(f"resident ÷ transformers, B = {b}", at, ("resident", b), ("transformers", b), None))
+    for b, goal in ((1, None), (16, 4.0), (64, 2.5)):
+        rows.append(_goal_row(f"specmoe (disk, 30 %) ÷ ondemand, B = {b}", at, ("specmoe", b), ("ondemand", b), goal))
+    rows.append(_goal_row("specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16", at, ("specmoe", 16),
+                          ("llama.cpp", 16), 1.0))
+    text = md_table(["figure", "tok/s", "against tok/s", "ratio", "goal", "met"], rows) + "\n"
+    theirs = _speeds(paper)
+    drafts = []
+    for b in sorted({key[1] for key in at}):
+        default, own, base, own_base = at.get(("specmoe", b)), theirs.get(("specmoe", b)), at.get(
+            ("ondemand", b)), theirs.get(("ondemand", b))
+        if not (default and own and base and own_base):
+            continue
+        drafts.append([str(b), _f(default["decode_tokens_per_s"]), _f(default["tokens_per_step"], "{:.2f}"),
+                       f"{default['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x",
+                       _f(own["decode_tokens_per_s"]), _f(own["tokens_per_step"], "{:.2f}"),
+                       f"{own['decode_tokens_per_s'] / own_base['decode_tokens_per_s']:.2f}x"])
+    if drafts:
+        text += ("\nThe default draft (quantized copies of every expert, `--draft-quant auto`) against the paper's "
+                 "(`--draft-quant none`: resident full-precision draft experts and substitutes), each against "
+                 "ondemand in its own run:\n\n" + md_table(
+                     ["B", "default tok/s", "tok/step", "× ondemand", "paper's tok/s", "tok/step", "× ondemand"],
+                     drafts) + "\n")
+    return text
