@@ -89,6 +89,11 @@ class GGUFCheckpoint(Checkpoint):
         spec, E = config.expert, config.num_experts
         D, I = spec.hidden, spec.inter
         layers = []
+        first = config.moe_layer_ids[0]
+        if f"blk.{first}.ffn_gate_exps.weight" not in self.file.tensors and f"blk.{first}.ffn_gate.0.weight" in \
+                self.file.tensors:
+            raise SpecMoEError(f"{self.path}: an old GGUF file with one tensor per expert (blk.N.ffn_gate.E); "
+                               "convert the model again with a current llama.cpp (its experts stacked per block)")
         for layer in config.moe_layer_ids:
             types = []
             for part, shape in zip(EXPERT_PARTS, ((E, I, D), (E, I, D), (E, D, I))):
