@@ -188,17 +188,18 @@ def test_the_benchmark_section_is_made_from_its_document():
     assert "| Q4_K | caching | 61.2 (×1.23), 0.500 MB |" in text
 
 
-def test_bench_runs_every_policy_on_a_gguf_file_with_text_prompts(demo_gguf, tmp_path):
-    """`specmoe bench --model FILE.gguf`: text prompts through the file's own tokenizer, every
-    policy's output equal to ondemand's."""
+def test_bench_runs_on_a_gguf_file(mixtral, tmp_path):
+    """`specmoe bench --model FILE.gguf`: every policy's output equal to ondemand's."""
     import json
 
     from specmoe.cli import main
 
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def fib(n):\nThe built-in function len returns\n")
+    _, path, _ = mixtral
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n"
+                               for p in random_prompts(2, min_len=3, max_len=8, seed=9)))
     out = tmp_path / "b.json"
-    code = main(["bench", "--model", str(demo_gguf), "--batch-sizes", "2", "--repeats", "1", "--max-tokens", "3",
+    code = main(["bench", "--model", str(path), "--batch-sizes", "2", "--repeats", "1", "--max-tokens", "3",
                  "--anchors", "none", "--device-memory", "50%", "--policies", "ondemand,specmoe",
                  "--prompts-file", str(prompts), "--offload-dir", str(tmp_path), "--threads", "1", "--json", str(out)])
     assert code == 0
