@@ -70,3 +70,24 @@ def test_qwen3_moe_matches_transformers_loading_the_gguf_file(gguf_model, tmp_pa
     llm = LLM(model=str(path), device="cpu", dtype="float32")
     for got, want in zip(llm.score(prompts), reference_logprobs(hf, prompts)):
         assert (torch.as_tensor(got) - want).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
+                                    "gpt_oss"])
+def test_an_f32_file_holds_the_checkpoints_own_weights(tmp_path, family):
+    """The converter's layout is llama.cpp's: read back through the gguf package, llama.cpp's
+    name map and transformers' own inverse of the q/k permutation, an F32 file gives every
+    parameter of the checkpoint it was written from; and specmoe on it computes transformers'
+    logits of that checkpoint."""
+    from factories import build_model, hf_logits
+    from gguf_factories import sizes
+
+    hf, path = make_gguf(tmp_path, family, "F32")
+    want = build_model(family, **sizes(family, 32)).state_dict()
+    got = reference_model(family, str(hf), str(path)).state_dict()
+    for name, value in want.items():
+        if "rotary_emb" not in name:
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
+    prompts = _prompts(seed=5)
+    for g, w in zip(LLM(model=str(path), device="cpu", dtype="float32").score(prompts), hf_logits(hf, prompts)):
+        assert (torch.as_tensor(g) - torch.log_softmax(w, dim=-1)).abs().max() <= ATOL
