@@ -67,3 +67,16 @@ def test_the_dequantized_matrix_comes_in_the_compute_dtype():
 def test_a_row_that_is_not_whole_blocks_is_a_clear_error():
     with pytest.raises(SpecMoEError, match="Q4_K row of 100 values is not whole blocks of 256"):
         row_bytes("Q4_K", 100)
+
+
+@pytest.mark.parametrize(("type_name", "rel"), [("Q4_K", 0.09), ("Q6_K", 0.025)])
+def test_the_converters_own_k_quant_encoders_write_blocks_llama_cpp_reads_back(type_name, rel):
+    """specmoe.tools.gguf_convert encodes Q4_K and Q6_K itself (the gguf package cannot): the
+    gguf package's dequantization of its blocks is the input, to the format's precision."""
+    from specmoe.tools.gguf_convert import encode
+
+    w = torch.randn(8, 512) * torch.linspace(0.1, 2.0, 512)
+    data, written = encode(w, type_name)
+    assert written == type_name and data.shape == (8, row_bytes(type_name, 512))
+    back = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]))
+    assert ((back - w).norm() / w.norm()) < rel
