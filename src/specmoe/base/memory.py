@@ -60,3 +60,16 @@ def release_free_memory() -> None:
     except (OSError, AttributeError, TypeError):
         return
     trim(0)
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available to new work without swapping
+    (MemAvailable: free memory plus the page cache it could reclaim); None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -106,39 +106,66 @@ class Builder:
     fields: dict = field(default_factory=dict)
 
 
+def _build(b: Builder, on_skip: Callable | None) -> tuple[Measurement, object]:
+    m = Measurement(b.label, b.kind, dict(b.fields))
+    try:
+        return m, b.build()
+    except (SpecMoEError, ImportError, RuntimeError, MemoryError) as exc:
+        # A policy that does not fit (resident on a large model) or an anchor that
+        # cannot load is reported as skipped; the rest of the group still runs.
+        m.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if on_skip:
+            on_skip(m)
+        return m, None
+
+
+def _run(m: Measurement, runner, rnd: int, on_run: Callable | None) -> None:
+    stats, ids = runner.run()
+    stats.update(m.fields)
+    m.rounds.append(stats)
+    m.token_ids = ids
+    if on_run:
+        on_run(m, rnd, stats)
+
+
 def measure(builders: list[Builder], repeats: int, on_run: Callable | None = None,
-            on_skip: Callable | None = None) -> list[Measurement]:
-    """Build every runner, then run warm-up + `repeats` interleaved rounds."""
+            on_skip: Callable | None = None, together: bool = True) -> list[Measurement]:
+    """Build every runner, then run warm-up + `repeats` interleaved rounds. Not
+    `together` (runners that would not fit in memory side by side): each runner is built,
+    run warm-up + `repeats` times and closed before the next is built."""
+    if not together:
+        measurements = []
+        for b in builders:
+            m, runner = _build(b, on_skip)
+            measurements.append(m)
+            try:
+                for rnd in range(repeats + 1 if runner is not None else 0):
+                    _run(m, runner, rnd, on_run)
+            finally:
+                if runner is not None:
+                    runner.close()
+        return measurements
     measurements, runners = [], []
     try:
         for b in builders:
-            m = Measurement(b.label, b.kind, dict(b.fields))
-            try:
-                runner = b.build()
-            except (SpecMoEError, ImportError, RuntimeError, MemoryError) as exc:
-                # A policy that does not fit (resident on a large model) or an anchor that
-                # cannot load is reported as skipped; the rest of the group still runs.
-                m.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                if on_skip:
-                    on_skip(m)
-                runner = None
+            m, runner = _build(b, on_skip)
             measurements.append(m)
             runners.append(runner)
         for rnd in range(repeats + 1):
             for m, runner in zip(measurements, runners):
-                if runner is None:
-                    continue
-                stats, ids = runner.run()
-                stats.update(m.fields)
-                m.rounds.append(stats)
-                m.token_ids = ids
-                if on_run:
-                    on_run(m, rnd, stats)
+                if runner is not None:
+                    _run(m, runner, rnd, on_run)
     finally:
         for runner in runners:
             if runner is not None:
                 runner.close()
     return measurements
+
+
+def fit_together(needs: dict[str, int], available: int, share: float = 0.85) -> bool:
+    """Whether runners needing `needs` bytes of host memory each (label -> bytes) fit side
+    by side in `share` of the `available` bytes."""
+    return sum(needs.values()) <= share * available
 
 
 def summarize(m: Measurement) -> dict:

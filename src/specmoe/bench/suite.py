@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from ..base.gguf_checkpoint import open_checkpoint
+from ..base.memory import available_bytes
+from ..base.units import format_bytes
 from ..base.paths import cache_dir
 from ..engine.engine import resolve_device, resolve_dtype
 from ..engine.sampling import SamplingParams
@@ -21,6 +23,7 @@ from .grid import (
     Builder,
     check_outputs,
     default_budget,
+    fit_together,
     matches_reference,
     max_model_len_for,
     measure,
@@ -111,6 +114,25 @@ class Suite:
             return anchor_mod.TransformersRunner(s.model_dir, prompts, batch, s.max_tokens, device, dtype)
         return Builder(name, "anchor", build)
 
+    def _fit_together(self, labels: list[str], batch: int, max_len: int, budget: int) -> bool:
+        """Whether the group's runners fit in host memory side by side (then their rounds
+        interleave); if not, a note says they run one after another. On the host a budget
+        is host memory; whoever holds every weight needs all of them in the compute dtype;
+        llama.cpp maps its file (page cache the kernel can reclaim)."""
+        available = available_bytes()
+        if available is None or resolve_device(self.s.device).type != "cpu":
+            return True
+        info = self.info
+        whole = info["non_expert_bytes"] + info["expert_bytes_total"] + info["kv_bytes_per_token"] * batch * max_len
+        needs = {label: 0 if label == "llama.cpp" else whole if label in ("resident", "transformers") else budget
+                 for label in labels}
+        if fit_together(needs, available):
+            return True
+        self.notes.append(f"B={batch}: runners built, run and closed one at a time, rounds not interleaved (side by "
+                          f"side they would hold {format_bytes(sum(needs.values()))} of the "
+                          f"{format_bytes(available)} available)")
+        return False
+
     def _budget(self, batch: int, max_len: int) -> int:
         return self.s.device_memory or default_budget(self.info, batch, max_len, self.s.expert_fraction)
 
@@ -169,8 +191,9 @@ class Suite:
                               f"(wanted {batch * 2})")
         builders = [self._policy_builder(p, p, prompts, batch, max_len, budget, f"{p}-b{batch}") for p in s.policies]
         builders += [self._anchor_builder(a, prompts, batch, max_len) for a in self.anchors_at(batch)]
+        together = self._fit_together([b.label for b in builders], batch, max_len, budget)
         ms = measure(builders, s.repeats, on_run=progress.on_run(f"B={batch}", s.repeats),
-                     on_skip=lambda m: progress.note(f"B={batch}: {m.label} skipped: {m.error}"))
+                     on_skip=lambda m: progress.note(f"B={batch}: {m.label} skipped: {m.error}"), together=together)
         by = {m.label: m for m in ms}
         ref_label = "resident" if "resident" in by and by["resident"].error is None else next(
             (m.label for m in ms if m.kind == "policy" and m.error is None), None)
