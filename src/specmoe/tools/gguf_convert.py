@@ -153,7 +153,8 @@ def _metadata(writer, ckpt: Checkpoint, arch: str, split_kv_b: bool) -> None:
     writer.add_feed_forward_length(c.dense_intermediate_size or c.expert.inter)
     writer.add_expert_feed_forward_length(c.expert.inter)
     writer.add_head_count(a.num_heads)
-    writer.add_head_count_kv(a.num_kv_heads)
+    # llama.cpp's MLA (k_b / v_b) runs attention as MQA over the latent: one kv head
+    writer.add_head_count_kv(1 if a.kind == "mla" and split_kv_b else a.num_kv_heads)
     writer.add_rope_freq_base(c.rope.theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_expert_count(c.num_experts)
