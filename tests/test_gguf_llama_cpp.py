@@ -1,0 +1,191 @@
+"""llama.cpp's own logits on the GGUF files specmoe.tools.gguf_convert writes, where
+llama-cpp-python is installed (make anchors): llama.cpp is the ground truth for the format
+(tensor names, metadata keys, the `llama` q/k permutation, DeepSeek's k_b / v_b split and
+MQA head count, expert orientation), and a file it reads differently from specmoe's reader
+computes a different model.
+
+llama.cpp is run through its low-level API (as bench/anchors.py does): one llama_decode
+over the whole prompt with logits at every position, a float32 KV cache and flash
+attention off (its CPU flash attention rounds q to F16), so that an F32 file compares at
+float rounding. Each file runs in a child process, since a file llama.cpp's graph rejects
+aborts the process (a GGML_ASSERT), which would end the test session.
+
+Tolerances (log-probabilities over the 128-token vocabulary, measured on these models):
+- F32: 1e-4 at every position (measured 2e-6 to 4e-6 for every family);
+- quantized weights: llama.cpp quantizes the activations too (Q8_0 blocks of 32 for
+  Q8_0 / Q4_0 / MXFP4 weights, Q8_K blocks of 256 for K-quants) before its integer dot
+  products, which specmoe does not. Per position the largest difference is 0.03-0.13 for
+  Q8_0, Q4_0 and MXFP4 (0.2-0.4 for Q4_K, whose 256-wide models have logits twice as
+  large and whose activations share one scale per 256 values), with a few positions near
+  1 where that rounding flips a router's top-k choice. So the median over positions is
+  held to 0.15 (Q4_K: 0.6), and greedy tokens (argmax) must agree at 90% of positions.
+  A wrong layout is far outside these: an F32 file without the q/k permutation differs
+  by more than 1 at most positions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+if __name__ != "__main__":
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    pytest.importorskip("llama_cpp")
+
+F32_ATOL = 1e-4
+MEDIAN_TOL = {"Q8_0": 0.15, "Q4_0": 0.15, "MXFP4": 0.15, "Q4_K": 0.6}
+AGREE = 0.9
+# llama.cpp's gpt-oss graph clamps the SwiGLU at 7.0 whatever the file says (the released
+# models' limit), and its YaRN rounds the correction range to whole dimensions (transformers'
+# truncate=True; GPT-OSS has truncate=False, which the reader keeps): the model for it has both.
+GPT_OSS = {"swiglu_limit": 7.0, "rope_parameters": {"rope_type": "default", "rope_theta": 30000.0}}
+# llama.cpp's OLMoE has no GQA (its k norm spans n_embd); its DeepSeek-V2 without a q LoRA is
+# only the 27-layer Lite, and it scores expert groups by their top two (DeepSeek-V3's rule)
+# where V2's group_limited_greedy takes their best one: V2 here has a q LoRA and one group.
+DEEPSEEK_V2 = {"q_lora_rank": 32, "n_group": 1, "topk_group": 1, "topk_method": "greedy"}
+OVERRIDES = {"gpt_oss": GPT_OSS, "olmoe": {"num_key_value_heads": 4}, "deepseek_v2": DEEPSEEK_V2}
+
+
+def _tokenizer(hf_dir: Path) -> None:
+    """A byte-level BPE tokenizer.json with exactly the tiny vocabulary (128 tokens and one
+    merge), which the converter writes as the file's tokenizer.ggml.* vocabulary: llama.cpp
+    loads no model without one."""
+    from specmoe.base.paths import default_model_dir
+
+    spec = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    vocab = {t: i for t, i in spec["model"]["vocab"].items() if i < 126}
+    vocab.update({"\u0120": 126, "\u0120a": 127})
+    spec["model"].update(vocab=vocab, merges=["\u0120 a"])
+    (hf_dir / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def gguf_file(tmp: Path, family: str, type_name: str, **convert_kw) -> tuple[Path, Path]:
+    from factories import make_checkpoint
+    from gguf_factories import sizes
+
+    from specmoe.tools.gguf_convert import convert
+
+    block = 256 if type_name.endswith("_K") else 32
+    hf = make_checkpoint(family, tmp / f"{family}-hf-{block}", **{**sizes(family, block), **OVERRIDES.get(family, {})})
+    _tokenizer(hf)
+    return hf, convert(hf, tmp / f"{family}-{type_name}.gguf", type_name, **convert_kw)
+
+
+def llama_cpp_logprobs(path: Path, prompts: list[list[int]], tmp: Path) -> list[torch.Tensor]:
+    out = tmp / f"{path.stem}-llama-cpp.npz"
+    run = subprocess.run([sys.executable, __file__, str(path), json.dumps(prompts), str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, f"llama.cpp could not run {path.name} (exit {run.returncode}):\n{run.stderr[-3000:]}"
+    with np.load(out) as z:
+        return [torch.log_softmax(torch.from_numpy(z[f"p{i}"]).double(), -1) for i in range(len(prompts))]
+
+
+def _llama_cpp_logits(path: str, prompts: list[list[int]]) -> list[np.ndarray]:
+    """In the child process: llama.cpp's logits [len, V] at every position of each prompt."""
+    import llama_cpp as lib
+
+    errors = []
+    log = lib.llama_log_callback(lambda level, text, data: errors.append(text.decode(errors="replace")))
+    lib.llama_log_set(log, None)
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
+    if not model:
+        raise SystemExit(f"llama.cpp refused {path}:\n{''.join(errors[-20:])}")
+    n = max(map(len, prompts))
+    cp = lib.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = max(64, n)
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.type_k = cp.type_v = 0  # GGML_TYPE_F32
+    cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
+    ctx = lib.llama_init_from_model(model, cp)
+    batch = lib.llama_batch_init(cp.n_batch, 0, 1)
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    out = []
+    for prompt in prompts:
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        batch.n_tokens = len(prompt)
+        for i, token in enumerate(prompt):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
+            batch.seq_id[i][0] = 0
+        if lib.llama_decode(ctx, batch) != 0:
+            raise SystemExit(f"llama_decode failed on {path}")
+        out.append(np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i), shape=(vocab,)).copy()
+                             for i in range(len(prompt))]))
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
+    return out
+
+
+def _specmoe_logprobs(path: Path, prompts) -> list[torch.Tensor]:
+    from specmoe import LLM
+
+    llm = LLM(model=str(path), device="cpu", dtype="float32")
+    try:
+        return [torch.as_tensor(p).double() for p in llm.score(prompts)]
+    finally:
+        llm.close()
+
+
+def _compare(theirs, ours) -> tuple[np.ndarray, float]:
+    """Per position the largest |log-prob difference|, and the share of equal argmaxes."""
+    diffs = np.concatenate([(t - o).abs().amax(-1).numpy() for t, o in zip(theirs, ours)])
+    agree = sum(int((t.argmax(-1) == o.argmax(-1)).sum()) for t, o in zip(theirs, ours)) / len(diffs)
+    return diffs, agree
+
+
+def _prompts() -> list[list[int]]:
+    from factories import random_prompts
+
+    return random_prompts(3, min_len=3, max_len=20, seed=3)
+
+
+F32_CASES = [
+    *(pytest.param(f, {}, id=f) for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2",
+                                          "deepseek_v3", "gpt_oss")),
+    pytest.param("deepseek_v3", {"split_kv_b": False}, id="deepseek_v3-kv_b"),
+]
+
+
+@pytest.mark.parametrize(("family", "convert_kw"), F32_CASES)
+def test_llama_cpp_computes_an_f32_file_as_specmoe_does(tmp_path, family, convert_kw):
+    """With float32 weights nothing is rounded on either side: llama.cpp's logits are
+    specmoe's at every position, so every tensor and metadata key means to llama.cpp what
+    the reader takes it to mean."""
+    _, path = gguf_file(tmp_path, family, "F32", **convert_kw)
+    prompts = _prompts()
+    diffs, agree = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
+    assert diffs.max() <= F32_ATOL, f"max |log-prob diff| {diffs.max():.2e}, per position {np.round(diffs, 3)}"
+    assert agree == 1.0
+
+
+QUANT_CASES = [
+    *(pytest.param(f, t, id=f"{f}-{t}") for f in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+      for t in ("Q8_0", "Q4_0")),
+    pytest.param("gpt_oss", "MXFP4", id="gpt_oss-MXFP4"),
+    *(pytest.param(f, "Q4_K", id=f"{f}-Q4_K") for f in ("mixtral", "qwen3_moe", "deepseek_v3")),
+]
+
+
+@pytest.mark.parametrize(("family", "type_name"), QUANT_CASES)
+def test_llama_cpp_reads_a_quantized_file_as_specmoe_does(tmp_path, family, type_name):
+    """llama.cpp's logits on the quantized file are specmoe's up to its rounding of the
+    activations (module docstring): median per-position difference and greedy agreement."""
+    _, path = gguf_file(tmp_path, family, type_name)
+    prompts = _prompts()
+    diffs, agree = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
+    detail = f"per position {np.round(diffs, 3)}, argmax agreement {agree:.2f}"
+    assert np.median(diffs) <= MEDIAN_TOL[type_name], f"median {np.median(diffs):.3f}; {detail}"
+    assert agree >= AGREE, detail
+
+
+if __name__ == "__main__":  # the child process of llama_cpp_logprobs: FILE PROMPTS_JSON OUT.npz
+    logits = _llama_cpp_logits(sys.argv[1], json.loads(sys.argv[2]))
+    np.savez(sys.argv[3], **{f"p{i}": a for i, a in enumerate(logits)})
