@@ -12,6 +12,7 @@ family, whose forward pass gives the logits and greedy tokens specmoe must repro
 from __future__ import annotations
 
 import functools
+import math
 import re
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import torch
 from factories import build_model, make_checkpoint
 
 GGUF_ARCH = {"mixtral": "LLAMA", "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "olmoe": "OLMOE",
-             "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "gpt_oss": "GPT_OSS"}
+             "deepseek_v2": "DEEPSEEK2", "deepseek_v3": "DEEPSEEK2", "gpt_oss": "GPT_OSS", "glm4_moe": "GLM4_MOE",
+             "llama4": "LLAMA4", "phimoe": "PHIMOE"}
 
 
 def sizes(family: str, block: int) -> dict:
@@ -29,8 +31,10 @@ def sizes(family: str, block: int) -> dict:
     d = 64 if block <= 64 else block
     inter = 32 if block <= 64 else block
     out = {"hidden_size": d}
-    if family in ("mixtral", "olmoe", "gpt_oss"):
+    if family in ("mixtral", "olmoe", "gpt_oss", "phimoe"):
         out["intermediate_size"] = inter
+    elif family == "llama4":
+        out.update(intermediate_size=inter, intermediate_size_mlp=d)
     else:
         out.update(moe_intermediate_size=inter, intermediate_size=d)
     if family in ("qwen2_moe", "qwen3_moe"):
@@ -41,7 +45,24 @@ def sizes(family: str, block: int) -> dict:
         out["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0,
                                   "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
                                   "beta_fast": 32.0, "beta_slow": 1.0}
+    out.update(_LLAMA_CPP_FIXES.get(family, {}))
+    if family == "phimoe":  # one factor per rotated pair; llama.cpp's cos/sin scale from the context lengths
+        half, scale = d // 4 // 2, math.sqrt(1 + math.log(256 / 128) / math.log(128))
+        out["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 30000.0,
+                                  "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                  "long_factor": [1.0 + 0.5 * i for i in range(half)],
+                                  "original_max_position_embeddings": 128, "short_mscale": scale, "long_mscale": scale}
     return out
+
+
+# What llama.cpp fixes in code for these architectures (the file cannot say otherwise):
+# GLM-4.5 routes over all experts; Llama 4 chunks attention by 8192 with every 4th layer
+# NoPE and its temperature (8192, 0.1); Phi-3.5-MoE's sparsemixer threshold is its 0.01.
+_LLAMA_CPP_FIXES = {
+    "glm4_moe": dict(n_group=1, topk_group=1),
+    "llama4": dict(attention_chunk_size=8192, no_rope_layer_interval=4, floor_scale=8192, attn_scale=0.1),
+    "phimoe": dict(router_jitter_noise=0.01),
+}
 
 
 def make_gguf(out_dir, family: str, type_name: str, block: int = 32, **kw) -> tuple[Path, Path]:
@@ -75,6 +96,8 @@ def _reference_value(family: str, name: str, param: torch.Tensor, g: dict, name_
     blk = f"blk.{layer[1]}." if layer else ""
     if name.endswith("experts.gate_up_proj"):
         gate, up = g[blk + "ffn_gate_exps.weight"], g[blk + "ffn_up_exps.weight"]
+        if family == "llama4":  # [E, D, 2I]: gate columns, then up
+            return torch.cat([gate, up], dim=1).transpose(1, 2)
         if family == "gpt_oss":  # [E, D, 2I], gate and up columns alternating
             return torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2]).transpose(1, 2)
         return torch.cat([gate, up], dim=1)
@@ -83,7 +106,7 @@ def _reference_value(family: str, name: str, param: torch.Tensor, g: dict, name_
         return torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1)
     if name.endswith("experts.down_proj"):
         down = g[blk + "ffn_down_exps.weight"]
-        return down.transpose(1, 2) if family == "gpt_oss" else down
+        return down.transpose(1, 2) if family in ("gpt_oss", "llama4") else down
     if name.endswith("experts.down_proj_bias"):
         return g[blk + "ffn_down_exps.bias"]
     if name.endswith("e_score_correction_bias"):

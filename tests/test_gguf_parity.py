@@ -19,8 +19,8 @@ from specmoe import LLM, SamplingParams  # noqa: E402
 ATOL = 1e-4  # float32 rounding: both sides compute with the same dequantized values
 TOKENS = 12
 CASES = [
-    *(pytest.param(f, t, 32, id=f"{f}-{t}") for f in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
-      for t in ("Q8_0", "Q4_0")),
+    *(pytest.param(f, t, 32, id=f"{f}-{t}") for f in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe",
+                                                       "llama4", "phimoe") for t in ("Q8_0", "Q4_0")),
     pytest.param("gpt_oss", "MXFP4", 32, id="gpt_oss-MXFP4"),
     *(pytest.param(f, "Q4_K", 256, id=f"{f}-Q4_K") for f in ("mixtral", "qwen3_moe")),
     *(pytest.param(f, "Q5_1", 32, id=f"{f}-Q5_1") for f in ("qwen2_moe", "olmoe", "deepseek_v2")),
@@ -73,7 +73,7 @@ def test_qwen3_moe_matches_transformers_loading_the_gguf_file(gguf_model, tmp_pa
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
-                                    "gpt_oss"])
+                                    "gpt_oss", "glm4_moe", "llama4", "phimoe"])
 def test_an_f32_file_holds_the_checkpoints_own_weights(tmp_path, family):
     """The converter's layout is llama.cpp's: read back through the gguf package, llama.cpp's
     name map and transformers' own inverse of the q/k permutation, an F32 file gives every

@@ -14,17 +14,21 @@ Routed experts are stacked per block: ffn_{gate,up,down}_exps [E, rows, cols].
 from __future__ import annotations
 
 from .errors import SpecMoEError
+from .gguf_arch_families import glm4moe, llama4, phimoe
 from .gguf_file import GGUFFile
 
 # general.architecture -> the Hugging Face architecture specmoe runs it as
 ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+                 "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+                 "glm4moe": "Glm4MoeForCausalLM", "llama4": "Llama4ForCausalLM", "phimoe": "PhimoeForCausalLM"}
 # whether top-k weights are renormalised where the file does not say (llama.cpp's own defaults)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "gpt-oss": True}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "gpt-oss": True,
+              "glm4moe": False, "llama4": False, "phimoe": True}
 
 # Per layer: the Hugging Face name (a candidate of checkpoint.LAYER_TENSORS) <- the GGUF part.
 LAYER_PARTS = {
-    "input_layernorm.weight": "attn_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight", "input_layernorm.bias": "attn_norm.bias",
+    "post_attention_layernorm.bias": "ffn_norm.bias",
     "post_attention_layernorm.weight": ("ffn_norm.weight", "post_attention_norm.weight"),
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -45,6 +49,7 @@ LAYER_PARTS = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 GLOBAL_PARTS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "model.norm.bias": "output_norm.bias", "lm_head.bias": "output.bias",
                 "lm_head.weight": "output.weight"}
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
@@ -197,4 +202,4 @@ def _rope_scaling(f: GGUFFile) -> dict | None:
 
 
 _FAMILY_KEYS = {"llama": _mixtral, "qwen2moe": _qwen, "qwen3moe": _qwen, "olmoe": _olmoe, "deepseek2": _deepseek,
-                "gpt-oss": _gpt_oss}
+                "gpt-oss": _gpt_oss, "glm4moe": glm4moe, "llama4": llama4, "phimoe": phimoe}

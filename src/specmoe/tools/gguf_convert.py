@@ -27,12 +27,15 @@ from ..base.checkpoint import LAYER_TENSORS, Checkpoint
 from ..base.errors import SpecMoEError
 from ..base.gguf_quants import BLOCKS
 from ..model.moe import expert_views
+from . import gguf_convert_families as families
 from .gguf_export import _write_tokenizer, rope_to_interleaved
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
+             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe",
+             "llama4": "llama4", "phimoe": "phimoe"}
 ROLE_PARTS = {
-    "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
+    "attn_norm": "attn_norm.weight", "attn_norm_bias": "attn_norm.bias", "mlp_norm_bias": "ffn_norm.bias",
+    "mlp_norm": "ffn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
     "v": "attn_v.weight", "o": "attn_output.weight", "q_bias": "attn_q.bias", "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias", "o_bias": "attn_output.bias", "q_norm": "attn_q_norm.weight",
     "k_norm": "attn_k_norm.weight", "sinks": "attn_sinks.weight", "q_a": "attn_q_a.weight",
@@ -126,7 +129,9 @@ def convert(model_dir, out, type_name: str = "Q8_0", expert_type: str | None = N
         raise SpecMoEError(f"converting {c.architecture} to GGUF is not supported ({', '.join(GGUF_ARCH)})")
     out = Path(out)
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
+    families.check(c, arch)
     _metadata(writer, ckpt, arch, split_kv_b)
+    families.metadata(writer, c, arch)
     if (ckpt.dir / "tokenizer.json").is_file():
         _write_tokenizer(writer, ckpt)
         cfg_path = ckpt.dir / "tokenizer_config.json"
@@ -221,6 +226,11 @@ def _tensors(ckpt: Checkpoint, arch: str, split_kv_b: bool, kind: str, expert_ki
     c = ckpt.config
     yield "token_embd.weight", ckpt.tensor(ckpt.find(("model.embed_tokens.weight",))), kind
     yield "output_norm.weight", ckpt.tensor(ckpt.find(("model.norm.weight",))), "F32"
+    for name, tensor in families.extra_tensors(c, arch):
+        yield name, tensor, "F32"
+    for hf, part in (("model.norm.bias", "output_norm.bias"), ("lm_head.bias", "output.bias")):  # Phi-3.5-MoE
+        if ckpt.find((hf,)) is not None:
+            yield part, ckpt.tensor(ckpt.find((hf,))), "F32"
     head = None if c.tie_word_embeddings else ckpt.find(("lm_head.weight",))
     if head is not None:
         yield "output.weight", ckpt.tensor(head), kind
@@ -237,7 +247,7 @@ def _layer(ckpt: Checkpoint, i: int, arch: str, split_kv_b: bool, kind: str):
         if name is None:
             continue
         t = ckpt.tensor(name).float()
-        if arch == "gpt-oss" and role == "mlp_norm":
+        if arch in ("gpt-oss", "glm4moe") and role == "mlp_norm":
             part = "post_attention_norm.weight"
         if arch == "llama" and role in ("q", "k"):
             t = rope_to_interleaved(t, a.num_heads if role == "q" else a.num_kv_heads)
