@@ -11,16 +11,20 @@ float rounding. Each file runs in a child process, since a file llama.cpp's grap
 aborts the process (a GGML_ASSERT), which would end the test session.
 
 Tolerances (log-probabilities over the 128-token vocabulary, measured on these models):
-- F32: 1e-4 at every position (measured 2e-6 to 4e-6 for every family);
-- quantized weights: llama.cpp quantizes the activations too (Q8_0 blocks of 32 for
-  Q8_0 / Q4_0 / MXFP4 weights, Q8_K blocks of 256 for K-quants) before its integer dot
-  products, which specmoe does not. Per position the largest difference is 0.03-0.13 for
-  Q8_0, Q4_0 and MXFP4 (0.2-0.4 for Q4_K, whose 256-wide models have logits twice as
-  large and whose activations share one scale per 256 values), with a few positions near
-  1 where that rounding flips a router's top-k choice. So the median over positions is
-  held to 0.15 (Q4_K: 0.6), and greedy tokens (argmax) must agree at 90% of positions.
-  A wrong layout is far outside these: an F32 file without the q/k permutation differs
-  by more than 1 at most positions.
+- F32: 1e-4 at every position (measured at most 4.3e-6, every family);
+- quantized weights: llama.cpp quantizes the activations too (to Q8_0, blocks of 32, for
+  Q8_0 / Q4_0 / MXFP4 weights; to Q8_K, blocks of 256, for K-quants) before its integer dot
+  products, which specmoe does not. The largest difference at a position is then typically
+  0.04-0.10 (median over positions, per file: 0.040-0.059 for Q8_0, Q4_0 and MXFP4,
+  0.066-0.10 for Q4_K), with some positions at 1-2 where that rounding flips a router's
+  top-k choice, and greedy tokens agree at 85-100% of positions (the others near ties,
+  specmoe's two best within 0.16, or positions whose routing flipped). So the median is
+  held to 0.15 and the agreement to 80%. A wrong layout is far outside
+  these: a file without the q/k permutation, or GPT-OSS's SwiGLU limit not the one
+  llama.cpp uses, differs by more than 1 at most positions.
+The 256-wide models (K-quants' blocks) are drawn with std scaled by sqrt(64 / width), so
+that their activations are the 64-wide ones' size (at the factories' std, Q8_0 itself
+differs by a median of 0.3 there).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ if __name__ != "__main__":
     pytest.importorskip("llama_cpp")
 
 F32_ATOL = 1e-4
-MEDIAN_TOL = {"Q8_0": 0.15, "Q4_0": 0.15, "MXFP4": 0.15, "Q4_K": 0.6}
-AGREE = 0.9
+MEDIAN_TOL = 0.15
+AGREE = 0.8
 # llama.cpp's gpt-oss graph clamps the SwiGLU at 7.0 whatever the file says (the released
 # models' limit), and its YaRN rounds the correction range to whole dimensions (transformers'
 # truncate=True; GPT-OSS has truncate=False, which the reader keeps): the model for it has both.
@@ -67,13 +71,15 @@ def _tokenizer(hf_dir: Path) -> None:
 
 
 def gguf_file(tmp: Path, family: str, type_name: str, **convert_kw) -> tuple[Path, Path]:
-    from factories import make_checkpoint
+    from factories import INIT_STD, make_checkpoint
     from gguf_factories import sizes
 
     from specmoe.tools.gguf_convert import convert
 
     block = 256 if type_name.endswith("_K") else 32
-    hf = make_checkpoint(family, tmp / f"{family}-hf-{block}", **{**sizes(family, block), **OVERRIDES.get(family, {})})
+    shape = {**sizes(family, block), **OVERRIDES.get(family, {})}
+    std = INIT_STD * (64 / shape["hidden_size"]) ** 0.5  # 256 wide: activations of the 64-wide models' size
+    hf = make_checkpoint(family, tmp / f"{family}-hf-{block}", std=std, **shape)
     _tokenizer(hf)
     return hf, convert(hf, tmp / f"{family}-{type_name}.gguf", type_name, **convert_kw)
 
@@ -134,17 +140,19 @@ def _specmoe_logprobs(path: Path, prompts) -> list[torch.Tensor]:
         llm.close()
 
 
-def _compare(theirs, ours) -> tuple[np.ndarray, float]:
-    """Per position the largest |log-prob difference|, and the share of equal argmaxes."""
+def _compare(theirs, ours) -> tuple[np.ndarray, float, list[float]]:
+    """Per position the largest |log-prob difference|; the share of equal argmaxes; and
+    where they differ, the gap between specmoe's two best log-probabilities."""
     diffs = np.concatenate([(t - o).abs().amax(-1).numpy() for t, o in zip(theirs, ours)])
-    agree = sum(int((t.argmax(-1) == o.argmax(-1)).sum()) for t, o in zip(theirs, ours)) / len(diffs)
-    return diffs, agree
+    ties = [float(o[j].topk(2).values.diff().abs()) for t, o in zip(theirs, ours) for j in range(len(o))
+            if t[j].argmax() != o[j].argmax()]
+    return diffs, 1 - len(ties) / len(diffs), ties
 
 
 def _prompts() -> list[list[int]]:
     from factories import random_prompts
 
-    return random_prompts(3, min_len=3, max_len=20, seed=3)
+    return random_prompts(6, min_len=3, max_len=20, seed=3)
 
 
 F32_CASES = [
@@ -161,7 +169,7 @@ def test_llama_cpp_computes_an_f32_file_as_specmoe_does(tmp_path, family, conver
     the reader takes it to mean."""
     _, path = gguf_file(tmp_path, family, "F32", **convert_kw)
     prompts = _prompts()
-    diffs, agree = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
+    diffs, agree, _ = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
     assert diffs.max() <= F32_ATOL, f"max |log-prob diff| {diffs.max():.2e}, per position {np.round(diffs, 3)}"
     assert agree == 1.0
 
@@ -180,9 +188,9 @@ def test_llama_cpp_reads_a_quantized_file_as_specmoe_does(tmp_path, family, type
     activations (module docstring): median per-position difference and greedy agreement."""
     _, path = gguf_file(tmp_path, family, type_name)
     prompts = _prompts()
-    diffs, agree = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
-    detail = f"per position {np.round(diffs, 3)}, argmax agreement {agree:.2f}"
-    assert np.median(diffs) <= MEDIAN_TOL[type_name], f"median {np.median(diffs):.3f}; {detail}"
+    diffs, agree, ties = _compare(llama_cpp_logprobs(path, prompts, tmp_path), _specmoe_logprobs(path, prompts))
+    detail = f"per position {np.round(diffs, 3)}, argmax agreement {agree:.2f}, gaps where not {np.round(ties, 3)}"
+    assert np.median(diffs) <= MEDIAN_TOL, f"median {np.median(diffs):.3f}; {detail}"
     assert agree >= AGREE, detail
 
 
