@@ -6,7 +6,8 @@ converter (convert_hf_to_gguf.py) lays it out, written with the `gguf` package
 
 Families: Mixtral (llama.cpp's `llama` with experts: q/k rows permuted to interleaved
 pairs), Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3 (kv_b split into k_b / v_b as newer
-llama.cpp writes it, or kept), GPT-OSS. Experts stacked per block [E, rows, cols].
+llama.cpp writes it, or kept), GPT-OSS, GLM-4.5, Llama 4 and Phi-3.5-MoE (their metadata,
+RoPE factor tensors and refusals in gguf_convert_families.py). Experts stacked per block [E, rows, cols].
 Quantization: 2-D weights in the chosen type where their rows are whole blocks of it,
 else its fallback (as llama.cpp falls back); norms, biases and routers in F32. Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, MXFP4 and BF16 are the gguf package's own quantizers; Q4_K and Q6_K are
