@@ -61,7 +61,7 @@ def sizes(family: str, block: int) -> dict:
 _LLAMA_CPP_FIXES = {
     "glm4_moe": dict(n_group=1, topk_group=1),
     "llama4": dict(attention_chunk_size=8192, no_rope_layer_interval=4, floor_scale=8192, attn_scale=0.1),
-    "phimoe": dict(router_jitter_noise=0.01),
+    "phimoe": dict(router_jitter_noise=0.01, lm_head_bias=True),  # llama.cpp requires output.bias (as released)
 }
 
 
