@@ -339,7 +339,7 @@ def test_the_real_size_goals_are_ratios_of_one_runs_figures():
                         rec("resident", 16, 40.0)],
             "anchors": [rec("llama.cpp", 1, 12.5, anchor=True), rec("llama.cpp", 16, 20.0, anchor=True)]}
     paper = {"records": [rec("ondemand", 16, 4.0), rec("specmoe", 16, 3.0, 3.25)], "anchors": []}
-    text = tables.real_size_goals(grid, paper)
+    text = tables.real_size_goals([grid, {"records": [], "anchors": []}], paper)
     assert "| resident ÷ llama.cpp, B = 1 | 10.0 | 12.5 | 0.80x | 1.0x | no |" in text
     assert "| resident ÷ llama.cpp, B = 16 | 40.0 | 20.0 | 2.00x | 1.0x | yes |" in text
     assert "| specmoe (disk, 30 %) ÷ ondemand, B = 16 | 22.0 | 5.0 | 4.40x | 4.0x | yes |" in text

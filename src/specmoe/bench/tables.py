@@ -359,11 +359,11 @@ def _goal_row(what: str, at: dict, num: tuple[str, int], den: tuple[str, int], g
     return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x", _f(goal, "{:.1f}x"), met]
 
 
-def real_size_goals(grid: dict, paper: dict) -> str:
+def real_size_goals(grids: list[dict], paper: dict) -> str:
     """Each of the real-size goals as a ratio of two figures of one run, then the paper's
     draft beside the default (each against its own run's ondemand). Peak RSS per policy is
     the real-size-runs section's (one process a policy: a bench process's peak only grows)."""
-    at = _speeds(grid)
+    at = {key: r for grid in grids for key, r in _speeds(grid).items()}  # each batch size from one document
     rows = []
     for b in (1, 16):
         rows.append(_goal_row(f"resident ÷ llama.cpp, B = {b}", at, ("resident", b), ("llama.cpp", b), 1.0))
