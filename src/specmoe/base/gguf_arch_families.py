@@ -48,8 +48,9 @@ def glm4moe(f, cfg, experts, expert_ff, dense_ff) -> dict:
     groups = int(f.arch_value("expert_group_count", 1) or 1)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rope_dim = int(f.arch_value("rope.dimension_count", head_dim // 2))
+    dense = int(f.arch_value("leading_dense_block_count", 0) or 0)
     return {"num_hidden_layers": layers, "n_routed_experts": experts, "moe_intermediate_size": expert_ff,
-            "intermediate_size": dense_ff, "first_k_dense_replace": int(f.arch_value("leading_dense_block_count", 0) or 0),
+            "intermediate_size": dense_ff, "first_k_dense_replace": dense,
             "n_shared_experts": int(f.arch_value("expert_shared_count", 0) or 0),
             "routed_scaling_factor": float(f.arch_value("expert_weights_scale", 1.0) or 1.0),
             "n_group": groups, "topk_group": int(f.arch_value("expert_group_used_count", groups) or groups),
