@@ -116,10 +116,10 @@ SECTIONS = (
                  f"--policies resident,ondemand,specmoe {BENCH_SMOKE} --anchors transformers,llama.cpp "
                  "--json {out}/real-size.json"),
              Run("real-size-64.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
-                 f"--batch-sizes 64 --policies resident,ondemand,specmoe {REAL_SIZE_RUN} --anchors none "
+                 f"--batch-sizes 64 --policies ondemand,specmoe {REAL_SIZE_RUN} --anchors none "
                  "--json {out}/real-size-64.json",
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 4 "
-                 f"--policies resident,ondemand,specmoe {BENCH_SMOKE} --anchors none --json {{out}}/real-size-64.json"),
+                 f"--policies ondemand,specmoe {BENCH_SMOKE} --anchors none --json {{out}}/real-size-64.json"),
              Run("real-size-paper.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
                  f"--batch-sizes 1,16,64 --policies ondemand,specmoe --draft-quant none {REAL_SIZE_RUN} "
                  "--anchors none --json {out}/real-size-paper.json",
