@@ -74,10 +74,33 @@ def quant_ablation(doc: dict) -> str:
 # --- benchmarks/quantized_models.py ------------------------------------------------------------------
 
 
+def models_speeds(doc: dict) -> str:
+    """Each (model, policy)'s speed and expert bytes per token at each batch size, against
+    ondemand on the bf16 model (benchmarks/quantized_models.py's and gguf_models.py's)."""
+    c, batches = doc["config"], sorted({r["batch_size"] for r in doc["records"]})
+    rows = []
+    for name in doc["models"]:
+        for policy in c["policies"]:
+            cells = []
+            for b in batches:
+                r = next((r for r in doc["records"] if (r["model"], r["policy"], r["batch_size"]) == (name, policy, b)),
+                         None)
+                cells.append("–" if not r or r.get("skipped") else
+                             f"{r['decode_tokens_per_s']:.1f} (×{_f(r.get('vs_ondemand_bf16'), '{:.2f}')}), "
+                             f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB")
+            rows.append([name, policy, *cells])
+    return "\n".join([
+        f"Disk tier, {c['dtype']}, γ = {c['gamma']}, {c['max_tokens']} tokens per sequence, {c['batches']} x B "
+        f"held-out prompts, median of {c['repeats']} interleaved rounds; every model in the same device memory "
+        f"(non-expert + KV + {c['expert_fraction']:.0%} of the bf16 expert bytes). Each cell: decode tokens/s "
+        "(× ondemand on the bf16 model at that B), expert bytes moved per generated token.", "",
+        md_table(["model", "policy", *[f"B = {b}" for b in batches]], rows)]) + "\n"
+
+
 def quantized_models(doc: dict) -> str:
     """The demo model and its quantized variants: what an expert is, held-out perplexity,
     what quantizing cost in memory; then each policy's speed and bytes per batch size."""
-    c, models = doc["config"], doc["models"]
+    models = doc["models"]
     rows = []
     for name, m in models.items():
         q = m.get("quantize")
@@ -89,24 +112,7 @@ def quantized_models(doc: dict) -> str:
     tokens = next(iter(models.values()))["perplexity_tokens"]
     out = [md_table(["model", "experts", "one expert", f"held-out perplexity ({tokens} tokens)",
                      "`specmoe quantize` peak memory"], rows), ""]
-    batches = sorted({r["batch_size"] for r in doc["records"]})
-    rows = []
-    for name in models:
-        for policy in c["policies"]:
-            cells = []
-            for b in batches:
-                r = next((r for r in doc["records"] if (r["model"], r["policy"], r["batch_size"]) == (name, policy, b)),
-                         None)
-                cells.append("–" if not r or r.get("skipped") else
-                             f"{r['decode_tokens_per_s']:.1f} (×{_f(r.get('vs_ondemand_bf16'), '{:.2f}')}), "
-                             f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB")
-            rows.append([name, policy, *cells])
-    out += [f"Disk tier, {c['dtype']}, γ = {c['gamma']}, {c['max_tokens']} tokens per sequence, {c['batches']} x B "
-            f"held-out prompts, median of {c['repeats']} interleaved rounds; every model in the same device memory "
-            f"(non-expert + KV + {c['expert_fraction']:.0%} of the bf16 expert bytes). Each cell: decode tokens/s "
-            "(× ondemand on the bf16 model at that B), expert bytes moved per generated token.", "",
-            md_table(["model", "policy", *[f"B = {b}" for b in batches]], rows)]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + [models_speeds(doc)])
 
 
 # --- benchmarks/spec_identity.py ---------------------------------------------------------------------
