@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quantized_models import perplexity, speed_records
+from quantized_models import perplexity, speed_arguments, speed_records
 
 ROOT = Path(__file__).resolve().parent
 TYPES = ("Q8_0", "Q4_K")
@@ -32,15 +32,7 @@ POLICIES = ("ondemand", "caching", "specmoe")
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default=",".join(TYPES), help="GGUF types of the demo model to measure")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--batches", type=int, default=2, help="prompts per run: this many batches of B")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--gamma", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--expert-fraction", type=float, default=0.3, help="share of the bf16 expert bytes in the budget")
-    p.add_argument("--ppl-prompts", type=int, default=0, help="held-out paragraphs for perplexity (default: all)")
+    speed_arguments(p, POLICIES)
     p.add_argument("--workdir", help="where the GGUF files and the expert files go (default: a temporary dir)")
     p.add_argument("--json", metavar="FILE", help="write the document BENCHMARKS.md's section is rendered from")
     args = p.parse_args(argv)

@@ -97,10 +97,9 @@ def speed_records(models: dict[str, Path], args, texts: list[str], offload_dir: 
     return records
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="quantized variants of the demo model to measure")
-    p.add_argument("--policies", default=",".join(POLICIES))
+def speed_arguments(p: argparse.ArgumentParser, policies) -> None:
+    """The flags this script and gguf_models.py share: what is run and how often."""
+    p.add_argument("--policies", default=",".join(policies))
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--batches", type=int, default=2, help="prompts per run: this many batches of B")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -109,6 +108,12 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--expert-fraction", type=float, default=0.3, help="share of the bf16 expert bytes in the budget")
     p.add_argument("--ppl-prompts", type=int, default=0, help="held-out paragraphs for perplexity (default: all)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="quantized variants of the demo model to measure")
+    speed_arguments(p, POLICIES)
     p.add_argument("--workdir", help="where the quantized models and the expert files go (default: a temporary dir)")
     p.add_argument("--json", metavar="FILE", help="write the document BENCHMARKS.md's section is rendered from")
     args = p.parse_args(argv)
