@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quantized_models import perplexity, speed_arguments, speed_records
+from quantized_models import measure_and_write, perplexity, speed_arguments
 
 ROOT = Path(__file__).resolve().parent
 TYPES = ("Q8_0", "Q4_K")
@@ -64,19 +64,7 @@ def main(argv=None) -> int:
                          "file_bytes": path.stat().st_size if path.is_file() else None}
         print(f"# {name}: held-out perplexity {ppl:.3f} over {tokens} tokens; {summary[name]['expert_format']}",
               flush=True)
-    records = speed_records(models, args, texts, work / "offload")
-    for r in records:
-        if not r.get("skipped"):
-            print(f"B={r['batch_size']} {r['model']:6s} {r['policy']:9s} {r['decode_tokens_per_s']:7.1f} tok/s  "
-                  f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB/token  x{r.get('vs_ondemand_bf16', 0):.2f} "
-                  f"ondemand-bf16")
-    if args.json:
-        command = "python benchmarks/gguf_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        config = {k: v for k, v in vars(args).items() if k != "json"}
-        doc = {"kind": "gguf-models", "command": command.strip(), "config": config, "models": summary,
-               "records": records}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    return measure_and_write("gguf_models.py", "gguf-models", models, summary, args, argv, texts, work)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,24 @@ def speed_arguments(p: argparse.ArgumentParser, policies) -> None:
     p.add_argument("--ppl-prompts", type=int, default=0, help="held-out paragraphs for perplexity (default: all)")
 
 
+def measure_and_write(script, kind, models, summary, args, argv, texts, work) -> int:
+    """Every model's speed records (printed as they come), then the section's document:
+    the end of this script and of gguf_models.py."""
+    records = speed_records(models, args, texts, work / "offload")
+    for r in records:
+        if not r.get("skipped"):
+            print(f"B={r['batch_size']} {r['model']:6s} {r['policy']:9s} {r['decode_tokens_per_s']:7.1f} tok/s  "
+                  f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB/token  x{r.get('vs_ondemand_bf16', 0):.2f} "
+                  f"ondemand-bf16")
+    if args.json:
+        command = "python benchmarks/" + script + " " + " ".join(argv if argv is not None else sys.argv[1:])
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        doc = {"kind": kind, "command": command.strip(), "config": config, "models": summary,
+               "records": records}
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemes", default=",".join(SCHEMES), help="quantized variants of the demo model to measure")
@@ -142,19 +160,7 @@ def main(argv=None) -> int:
                          "quantize": quantized.get(name)}
         print(f"# {name}: held-out perplexity {ppl:.3f} over {tokens} tokens; {summary[name]['expert_format']}",
               flush=True)
-    records = speed_records(models, args, texts, work / "offload")
-    for r in records:
-        if not r.get("skipped"):
-            print(f"B={r['batch_size']} {r['model']:6s} {r['policy']:9s} {r['decode_tokens_per_s']:7.1f} tok/s  "
-                  f"{r['transfer_bytes_per_token'] / 1e6:.3f} MB/token  x{r.get('vs_ondemand_bf16', 0):.2f} "
-                  f"ondemand-bf16")
-    if args.json:
-        command = "python benchmarks/quantized_models.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        config = {k: v for k, v in vars(args).items() if k != "json"}
-        doc = {"kind": "quantized-models", "command": command.strip(), "config": config, "models": summary,
-               "records": records}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    return measure_and_write("quantized_models.py", "quantized-models", models, summary, args, argv, texts, work)
 
 
 if __name__ == "__main__":
