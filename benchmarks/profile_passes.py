@@ -4,6 +4,8 @@ tier, 30 % budget), on the demo model's held-out prompts. Writes one JSON docume
 
     python benchmarks/profile_passes.py --json profile.json                 # this tree
     python benchmarks/profile_passes.py --source-rev c95390e --json before.json   # an older tree, same method
+    python benchmarks/profile_passes.py --model bench-results/real-size-k8-m16 --policies specmoe \
+        --batch-sizes 16 --gamma 10 --threads 1 --repeats 1 --json real-size-profile.json
 
 Method (src/specmoe/bench/profile.py): each unit is timed unprofiled (thread CPU time
 and wall time, median of --repeats runs after a warm-up), then profiled once without
@@ -122,9 +124,12 @@ def run_pair(prof, args, prompts, params) -> list[dict]:
 def setups(args):
     """(batch size, policy, LLM options) of every measured configuration."""
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads)
-        yield batch, "resident", dict(policy="resident", **common)
-        yield batch, "specmoe", dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)
+        common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads,
+                      **({"model": args.model} if args.model else {}))
+        if "resident" in args.policies:
+            yield batch, "resident", dict(policy="resident", **common)
+        if "specmoe" in args.policies:
+            yield batch, "specmoe", dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)
 
 
 def write_doc(path: str, doc: dict) -> None:
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
+    ap.add_argument("--model", help="model directory or GGUF file (default: the bundled demo model)")
+    ap.add_argument("--policies", default="resident,specmoe", help="which of resident,specmoe to profile")
     ap.add_argument("--source-rev", help="profile this git revision's package instead of this tree's")
     ap.add_argument("--source", help=argparse.SUPPRESS)  # set by --source-rev in the child run
     ap.add_argument("--pair", metavar="REV", help="time REV's package against this tree's in one process, alternating")
