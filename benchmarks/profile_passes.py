@@ -121,15 +121,27 @@ def run_pair(prof, args, prompts, params) -> list[dict]:
     return rows
 
 
+POLICIES = ("resident", "specmoe")
+
+
+def policy_list(text: str) -> list[str]:
+    """--policies: names from POLICIES, comma-separated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown) or text!r} is not a policy this script profiles; "
+                                         f"choose from {', '.join(POLICIES)}")
+    return names
+
+
 def setups(args):
     """(batch size, policy, LLM options) of every measured configuration."""
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        common = dict(max_batch_size=batch, max_model_len=320, threads=args.threads,
-                      **({"model": args.model} if args.model else {}))
-        if "resident" in args.policies:
-            yield batch, "resident", dict(policy="resident", **common)
-        if "specmoe" in args.policies:
-            yield batch, "specmoe", dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)
+        common = dict(model=args.model, max_batch_size=batch, max_model_len=320, threads=args.threads)
+        options = {"resident": dict(policy="resident", **common),
+                   "specmoe": dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)}
+        for policy in args.policies:
+            yield batch, policy, options[policy]
 
 
 def write_doc(path: str, doc: dict) -> None:
@@ -172,7 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
     ap.add_argument("--model", help="model directory or GGUF file (default: the bundled demo model)")
-    ap.add_argument("--policies", default="resident,specmoe", help="which of resident,specmoe to profile")
+    ap.add_argument("--policies", type=policy_list, default="resident,specmoe",
+                    help="comma-separated, from: " + ", ".join(POLICIES))
     ap.add_argument("--source-rev", help="profile this git revision's package instead of this tree's")
     ap.add_argument("--source", help=argparse.SUPPRESS)  # set by --source-rev in the child run
     ap.add_argument("--pair", metavar="REV", help="time REV's package against this tree's in one process, alternating")

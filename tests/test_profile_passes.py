@@ -168,3 +168,22 @@ def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path, ch
         verify_forwards = tally[name]["verify"] / 4
         assert rounds[name] == [{"draft": 1e3 * TICKS["draft"],  # a draft unit is one forward
                                  "verify": 1e3 * TICKS["verify"] * verify_forwards / steps[name]}] * 3
+
+
+def test_the_script_profiles_the_policies_and_model_it_is_given_and_refuses_an_unknown_policy(capsys):
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("profile_passes_script", root / "benchmarks" / "profile_passes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    args = argparse.Namespace(batch_sizes="1,16", policies=script.policy_list("specmoe"), model="some/model",
+                              threads=1, gamma=10)
+    runs = [(batch, policy, options["model"], options["policy"]) for batch, policy, options in script.setups(args)]
+    assert runs == [(1, "specmoe", "some/model", "specmoe"), (16, "specmoe", "some/model", "specmoe")]
+    with pytest.raises(SystemExit):
+        script.main(["--policies", "resident,ondemand", "--json", "unused.json"])
+    assert "'ondemand' is not a policy this script profiles; choose from resident, specmoe" in capsys.readouterr().err
