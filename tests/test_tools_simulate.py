@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from specmoe.base.config import MAX_GAMMA
 from specmoe.base.trace import LayerRouting, StepRecord, TraceWriter
 from specmoe.costmodel.cost_model import Scenario, estimate
 from specmoe.costmodel.hardware import load_profile
@@ -58,7 +59,8 @@ def test_auto_rows_name_the_exact_plan(capsys):
                       "--json"], capsys)
     auto = {r["batch_size"]: (r["chosen_policy"], r["gamma"], r["draft_experts"], r["draft_quant"])
             for r in json.loads(out)["records"] if r["policy"] == "auto"}
-    assert auto == {1: ("host", None, None, None), 16: ("specmoe", 10, 2, "int8"), 256: ("specmoe", 10, 0, "int8")}
+    assert auto == {1: ("host", None, None, None), 16: ("specmoe", MAX_GAMMA, 2, "int8"),
+                    256: ("specmoe", MAX_GAMMA, 0, "int8")}
 
 
 def test_paper_setting_reports_specmoe_speedup(capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..base.config import MAX_GAMMA
 from ..base.errors import SpecMoEError
 
 ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant")
@@ -62,7 +63,8 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool) -> list[Varia
         ns = [n for n in (2, 4, 8, 16) if n < num_experts] or [max(1, num_experts - 1)]
         return [Variant(f"N={n}", {"draft_experts": n, **PAPER_DRAFT}, {"draft_experts": n}) for n in ns]
     if name == "gamma":
-        gs = (1, 3, 5, 10) if quick else tuple(range(1, 11))
+        # 1 to 10 one by one, then the long drafts that pay where verification is transfer-bound
+        gs = (1, 3, 5, 10) if quick else (*range(1, 11), 16, 24, MAX_GAMMA)
         return [Variant(f"gamma={g}", {"gamma": g}, {"gamma": g}) for g in gs]
     if name == "draft-compute":
         return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]

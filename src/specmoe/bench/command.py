@@ -57,6 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
     p.add_argument("--device-memory", help="one device budget for every run, e.g. 512MiB; or a share like 50%% "
                    "(non-expert + KV + that share of expert bytes, per batch size; default 30%%)")
+    p.add_argument("--prompt-batches", type=int, default=2,
+                   help="each run generates for N x B prompts, B at a time (default 2; 1 halves a long run)")
     p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
     p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
     p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
@@ -109,6 +111,7 @@ class Settings:
     anchors: list[str]
     trace_dir: str | None
     threads: int | None = None
+    prompt_batches: int = 2  # each run generates for prompt_batches x B prompts
     command: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -223,6 +226,7 @@ def settings_from_args(args) -> Settings:
         repeats=repeats, gamma=gamma, draft_experts=draft_experts, draft_quant=args.draft_quant, device=args.device, dtype=args.dtype,
         quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
+        prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),
         command=canonical_command(args), notes=notes,
     )
 

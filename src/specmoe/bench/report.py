@@ -219,7 +219,7 @@ def config_lines(doc: dict) -> list[str]:
         f"machine: {describe(doc['machine'])}",
         f"model: {m['path']} ({m['family']}, {m['moe_layers']} MoE layers x {m['experts_per_block']} experts, top-{m['top_k']}, "
         f"{m['dtype']}; non-expert {m['non_expert_bytes'] / 2**20:.1f} MiB, experts {m['expert_bytes_total'] / 2**20:.1f} MiB)",
-        f"prompts: {c['prompts_file']} (first 2 x B of {c['num_prompts_in_file']}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
+        f"prompts: {c['prompts_file']} (first {c.get('prompt_batches', 2)} x B of {c['num_prompts_in_file']}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
         f"tier: {tier}; gamma {c['gamma']}; {c['repeats']} repeat(s) after 1 warm-up, {order}",
         f"budget: {c['budget_rule']}" + (f" ({budgets})" if budgets else ""),
         *filter(None, [direct_io_line(doc)]),

@@ -55,7 +55,11 @@ STARTUP_BASE = "1702eb7"  # main before the kernel guard and the streaming start
 REAL_SIZE_MODEL = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep"
 REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 "
                          "--expert-factor 2 --keep")
-REAL_SIZE_RUN = "--repeats 1 --max-tokens 16 --threads 1"
+# 64 tokens: room for several steps of the default gamma; one batch of prompts per run keeps the
+# whole section near 45 minutes on 2 cores (ondemand alone takes a quarter of an hour at B = 16).
+REAL_SIZE_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1"
+# the paper's draft: slower than ondemand at this size, so shorter runs and no B = 64
+REAL_SIZE_PAPER_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1"
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
 SIMULATIONS = {
@@ -106,7 +110,8 @@ SECTIONS = (
             "specmoe's resident policy, transformers' `generate` and llama.cpp (a float32 GGUF copy, its batch "
             "API at B > 1) with every weight in memory, at B = 1 and 16; ondemand and SpecMoE on the real disk "
             "tier at 30 % of the expert bytes at B = 1, 16 and 64 (overlap and caching at this size: the section "
-            "above); then the paper's draft in a run of its own with ondemand beside it. Where the runners do not "
+            "above), 64 tokens for each of B prompts; then the paper's draft in a run of its own with ondemand "
+            "beside it (B = 1 and 16, 32 tokens: it is slower than ondemand here). Where the runners do not "
             "fit in memory side by side the bench runs them one after another (its notes say so). Each ratio "
             "below is of two figures of one run.",
             (Run("real-size.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
@@ -121,7 +126,7 @@ SECTIONS = (
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 4 "
                  f"--policies ondemand,specmoe {BENCH_SMOKE} --anchors none --json {{out}}/real-size-64.json"),
              Run("real-size-paper.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
-                 f"--batch-sizes 1,16,64 --policies ondemand,specmoe --draft-quant none {REAL_SIZE_RUN} "
+                 f"--batch-sizes 1,16 --policies ondemand,specmoe --draft-quant none {REAL_SIZE_PAPER_RUN} "
                  "--anchors none --json {out}/real-size-paper.json",
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 1,2 "
                  f"--policies ondemand,specmoe --draft-quant none {BENCH_SMOKE} --anchors none "

@@ -182,13 +182,13 @@ class Suite:
 
     def _grid_group(self, batch: int, progress):
         s = self.s
-        prompts = prompts_for_batch(self.prompts, batch)
+        prompts = prompts_for_batch(self.prompts, batch, s.prompt_batches)
         max_len = max_model_len_for(prompts, s.max_tokens, s.gamma, self.cfg.max_position_embeddings)
         budget = self._budget(batch, max_len)
         self.budgets[batch], self.max_lens[batch] = budget, max_len
-        if len(prompts) < batch * 2:
+        if len(prompts) < batch * s.prompt_batches:
             self.notes.append(f"B={batch}: the prompts file holds {len(self.prompts)} prompts; runs use all of them "
-                              f"(wanted {batch * 2})")
+                              f"(wanted {batch * s.prompt_batches})")
         builders = [self._policy_builder(p, p, prompts, batch, max_len, budget, f"{p}-b{batch}") for p in s.policies]
         builders += [self._anchor_builder(a, prompts, batch, max_len) for a in self.anchors_at(batch)]
         together = self._fit_together([b.label for b in builders], batch, max_len, budget)
@@ -237,7 +237,7 @@ class Suite:
 
         s, info = self.s, self.info
         batch = s.ablation_batch_size
-        prompts = prompts_for_batch(self.prompts, batch)
+        prompts = prompts_for_batch(self.prompts, batch, s.prompt_batches)
         max_len = max_model_len_for(prompts, s.max_tokens, s.gamma, self.cfg.max_position_embeddings)
         base_budget = self._budget(batch, max_len)
         builders = [self._policy_builder("ondemand", "ondemand", prompts, batch, max_len, base_budget,
@@ -286,7 +286,7 @@ class Suite:
             "kv_bytes_per_token": info["kv_bytes_per_token"],
         }
         cfg["num_prompts_in_file"] = len(self.prompts)
-        cfg["prompts_per_run"] = {str(b): len(prompts_for_batch(self.prompts, b)) for b in s.batch_sizes}
+        cfg["prompts_per_run"] = {str(b): len(prompts_for_batch(self.prompts, b, s.prompt_batches)) for b in s.batch_sizes}
         cfg["sampling"] = {"temperature": 0.0, "ignore_eos": True, "max_tokens": s.max_tokens, "seed": 0}
         cfg["warmup_runs"] = 1
         cfg["budget_rule"] = (f"--device-memory {s.device_memory} bytes for every policy but resident"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..base.config import MAX_GAMMA
 from .cost_model import (
     DEFAULT_CACHE_FRACTION,
     DEFAULT_CONTEXT,
@@ -31,7 +32,7 @@ from .shapes import ModelShape
 
 # Policies the engine implements (oracle-overlap is a bound, not a policy one can run).
 AUTO_POLICIES = ("resident", "ondemand", "overlap", "caching", "host", "specmoe")
-GAMMAS = tuple(range(1, 11))
+GAMMAS = tuple(range(1, MAX_GAMMA + 1))
 DRAFT_EXPERT_CHOICES = (2, 4, 8, 16)
 
 
@@ -109,7 +110,7 @@ def plan(shape: ModelShape, hardware: HardwareProfile, batch_size: int, acceptan
 
     acceptance: per-token acceptance of the paper's draft, measured (or assumed) with
     `acceptance_draft_experts` draft experts; None: DEFAULT_ACCEPTANCE. quant_acceptance:
-    the same for quantized drafts, by mode. Searches gamma in 1..10, the draft (int8,
+    the same for quantized drafts, by mode. Searches gamma in 1..MAX_GAMMA, the draft (int8,
     int4, the paper's) and N in {2, 4, 8, 16} (and 0 beside quantized copies; N < E)."""
     unknown = [p for p in policies if p not in AUTO_POLICIES]
     if unknown:

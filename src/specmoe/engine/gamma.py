@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-MAX_GAMMA = 10  # the longest draft the tuner (and the planner's search) tries
+from ..base.config import MAX_GAMMA
 
 
 class GammaTuner:
