@@ -4,7 +4,10 @@ Each section of BENCHMARKS.md (src/specmoe/bench/sections.py) names the commands
 measure it; each writes one JSON document into --results. This script runs them in
 order (the calibration first: `auto` in the grid and the validation use it), records
 the exact command behind each document (commands.json), then rewrites the sections from
-the documents (what `make bench-report` / `specmoe bench --report` does alone).
+the documents (what `make bench-report` / `specmoe bench --report` does alone). The
+documents of every section it measured, and their commands, are then copied into
+benchmarks/results/, which is committed with the page: rendering from there reproduces
+it byte for byte (tests/test_benchmarks_page.py).
 
     python benchmarks/run_all.py                        # everything (about an hour on 2 cores)
     python benchmarks/run_all.py --only projections     # some sections
@@ -26,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from specmoe.bench.sections import COMMANDS_FILE, SECTIONS, write_report
+from specmoe.bench.sections import COMMANDS_FILE, SECTIONS, keep_documents, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
+KEPT = ROOT / "benchmarks" / "results"  # committed: the documents behind BENCHMARKS.md (tests/test_benchmarks_page.py)
 
 
 def shell_command(command: str, results: Path) -> str:
@@ -76,6 +80,11 @@ def main(argv=None) -> int:
                 (results / COMMANDS_FILE).write_text(json.dumps(recorded, indent=1) + "\n")
     measured = write_report(results, markdown)  # every section, so the page keeps its order
     print(f"run_all: rewrote {markdown}: {', '.join(measured) or 'no section'} with figures", file=sys.stderr)
+    if not args.smoke and markdown.resolve() == (ROOT / "BENCHMARKS.md").resolve():
+        ran = [s.name for s in SECTIONS if (not only or s.name in only) and s.name in measured]
+        kept = keep_documents(results, KEPT, ran)
+        print(f"run_all: kept {len(kept)} document(s) in {KEPT.relative_to(ROOT)} (commit them with the page)",
+              file=sys.stderr)
     for f in failed:
         print(f"run_all: FAILED {f}", file=sys.stderr)
     return 1 if failed else 0

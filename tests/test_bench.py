@@ -74,6 +74,21 @@ def test_quick_bench_json_has_machine_config_and_a_record_per_policy_and_batch(q
     assert isinstance(doc["anchors"], list) and isinstance(doc["ablations"], list)
 
 
+def test_prompt_batches_sets_how_many_prompts_each_run_generates_for(quick_run, tiny_ckpt, prompts_file, tmp_path):
+    default = json.loads((quick_run[1] / "out.json").read_text())
+    one = tmp_path / "one.json"
+    assert main(["bench", "--model", str(tiny_ckpt("mixtral")), "--quick", "--repeats", "1", "--batch-sizes", "4",
+                 "--policies", "ondemand", "--anchors", "none", "--max-tokens", "4", "--prompt-batches", "1",
+                 "--prompts-file", str(prompts_file), "--offload-dir", str(tmp_path / "offload"), "--threads", "1",
+                 "--json", str(one)]) == 0
+    one = json.loads(one.read_text())
+    # the engine's own count of tokens: 2 x B prompts by default, B with --prompt-batches 1, 4 tokens each
+    by_default = {r["batch_size"]: r["generated_tokens"] for r in default["records"] if r["policy"] == "ondemand"}
+    assert by_default == {1: 2 * 1 * 4, 4: 2 * 4 * 4}
+    assert [r["generated_tokens"] for r in one["records"]] == [1 * 4 * 4]
+    assert one["config"]["prompts_per_run"] == {"4": 4} and "first 1 x B" in report.markdown(one, "x", heading=False)
+
+
 def test_quick_bench_runs_the_transformers_anchor_on_the_same_prompts(quick_run):
     doc = json.loads((quick_run[1] / "out.json").read_text())
     hf = [a for a in doc["anchors"] if a["anchor"] == "transformers"]
@@ -140,6 +155,20 @@ def test_ablation_substitution_runs_variants_beside_ondemand(tiny_ckpt, prompts_
         assert rec["outputs_match_ondemand"] is True and rec["ratio_vs_ondemand"] > 0 and "tokens_per_step" in rec
 
 
+def test_gamma_ablation_runs_the_draft_lengths_it_is_given(tiny_ckpt, prompts_file, tmp_path):
+    out = tmp_path / "g.json"
+    assert main(["bench", "--model", str(tiny_ckpt("mixtral")), "--no-grid", "--ablation", "gamma",
+                 "--ablation-gammas", "12,2", "--ablation-batch-size", "2", "--repeats", "1", "--max-tokens", "14",
+                 "--prompts-file", str(prompts_file), "--offload-dir", str(tmp_path), "--threads", "1",
+                 "--json", str(out)]) == 0
+    (entry,) = json.loads(out.read_text())["ablations"]
+    assert [r["label"] for r in entry["records"]] == ["ondemand", "gamma=2", "gamma=12"]
+    # the engine's own statistics: the gamma it ran, and a step never drafts more than that
+    for rec in entry["records"][1:]:
+        g = int(rec["label"].split("=")[1])
+        assert rec["gamma"] == g and 1 < rec["tokens_per_step"] <= g + 1 and rec["outputs_match_ondemand"] is True
+
+
 def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny_ckpt, prompts_file, tmp_path):
     out = tmp_path / "h.json"
     code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--offload", "host", "--batch-sizes", "2",
@@ -163,6 +192,9 @@ def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny
     (["--ablation", "draft-compute"], "needs --offload host"),
     (["--ablation", "nope"], "unknown --ablation 'nope'"),
     (["--repeats", "0"], "--repeats must be a positive integer"),
+    (["--prompt-batches", "0"], "--prompt-batches must be a positive integer"),
+    (["--ablation-gammas", "10,16"], "add --ablation gamma"),
+    (["--ablation", "gamma", "--ablation-gammas", "10,x"], "--ablation-gammas '10,x'"),
     (["--offload", "tape"], "unknown --offload 'tape'"),
     (["--plot", "out.svg"], "ending in .png"),
     (["--draft-quant", "int2"], "unknown draft_quant 'int2'"),

@@ -53,7 +53,7 @@ def parse_ablations(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def variants(name: str, num_experts: int, gamma: int, quick: bool) -> list[Variant]:
+def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None) -> list[Variant]:
     if name == "draft-set":
         return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
@@ -64,7 +64,7 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool) -> list[Varia
         return [Variant(f"N={n}", {"draft_experts": n, **PAPER_DRAFT}, {"draft_experts": n}) for n in ns]
     if name == "gamma":
         # 1 to 10 one by one, then the long drafts that pay where verification is transfer-bound
-        gs = (1, 3, 5, 10) if quick else (*range(1, 11), 16, 24, MAX_GAMMA)
+        gs = gammas or ((1, 3, 5, 10) if quick else (*range(1, 11), 16, 24, MAX_GAMMA))
         return [Variant(f"gamma={g}", {"gamma": g}, {"gamma": g}) for g in gs]
     if name == "draft-compute":
         return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]

@@ -76,6 +76,8 @@ def register(subparsers) -> None:
     p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute | draft-quant, "
                    "comma-separated, or all")
     p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
+    p.add_argument("--ablation-gammas", help="the gamma ablation's draft lengths, comma-separated (default 1 to 10, "
+                   "16, 24, 32; --quick: 1,3,5,10)")
     p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
     p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
     p.add_argument("--trace-dir", help="write each run's routing/timing trace to DIR/<policy>-b<B>.jsonl")
@@ -112,6 +114,7 @@ class Settings:
     trace_dir: str | None
     threads: int | None = None
     prompt_batches: int = 2  # each run generates for prompt_batches x B prompts
+    ablation_gammas: list[int] | None = None  # the gamma ablation's drafts; None: its default list
     command: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -195,6 +198,8 @@ def settings_from_args(args) -> Settings:
     if "draft-compute" in ablations and args.offload != "host":
         raise SpecMoEError("--ablation draft-compute compares drafting on the device with drafting on the host where "
                            "the experts live, and needs --offload host")
+    if args.ablation_gammas and "gamma" not in ablations:
+        raise SpecMoEError("--ablation-gammas sets the gamma ablation's draft lengths: add --ablation gamma")
     if args.no_grid and not ablations:
         raise SpecMoEError("--no-grid leaves nothing to run: add --ablation NAME")
     if args.offload_bandwidth is not None:
@@ -227,6 +232,7 @@ def settings_from_args(args) -> Settings:
         quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
         prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),
+        ablation_gammas=parse_batch_sizes(args.ablation_gammas, "--ablation-gammas") if args.ablation_gammas else None,
         command=canonical_command(args), notes=notes,
     )
 

@@ -327,6 +327,14 @@ BEGIN = "<!-- specmoe bench: begin {} -->"
 END = "<!-- specmoe bench: end {} -->"
 
 
+def section_block(text: str, section: str) -> str | None:
+    """What the page holds between this section's markers (None: no such section)."""
+    begin, end = BEGIN.format(section), END.format(section)
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].lstrip("\n")
+
+
 def has_section(path: Path, section: str) -> bool:
     """Whether the file already has this section between its markers."""
     text = path.read_text() if path.is_file() else ""

@@ -136,6 +136,20 @@ SECTIONS = (
                           + "\n### The goals, each a ratio within one run\n\n"
                           + tables.real_size_goals([docs["real-size.json"], docs["real-size-64.json"]],
                                                    docs["real-size-paper.json"]))),
+    Section("gamma-real-size", "Choosing gamma at real size",
+            "The default γ is chosen on the training prompts (benchmarks/prompts/train.jsonl), not the held-out "
+            "ones every other table reports on. On the real-size model at B = 16, 30 % budget, real disk tier, "
+            "64 tokens, the default draft: γ = 10 (the default before), 16, 24 and 32 against ondemand in one "
+            "run. A verify pass streams nearly every expert through the pool whatever γ is, so its cost hardly "
+            "grows with γ, while each draft pass costs the same: longer drafts pay while the draft keeps agreeing "
+            "with the model.",
+            (Run("gamma-real-size.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
+                 "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 16 "
+                 f"--ablation-gammas 10,16,24,32 {REAL_SIZE_RUN} --anchors none --json {{out}}/gamma-real-size.json",
+                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 "
+                 "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 2 "
+                 f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),),
+            _bench("gamma-real-size.json")),
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
             "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "
@@ -365,6 +379,25 @@ def render(section: Section, results: Path) -> str:
         out.append(section.render({run.output: json.loads((results / run.output).read_text())
                                    for run in section.runs}))
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def keep_documents(results: Path, kept: Path, names: list[str]) -> list[str]:
+    """Copy the documents of these sections (and the commands that wrote them) from
+    `results` into `kept`, the directory committed beside BENCHMARKS.md: rendering from it
+    reproduces those sections byte for byte. Returns the files copied."""
+    kept.mkdir(parents=True, exist_ok=True)
+    ran, recorded = commands_run(results), commands_run(kept)
+    copied = []
+    for section in SECTIONS:
+        if section.name not in names:
+            continue
+        for run in section.runs:
+            (kept / run.output).write_bytes((results / run.output).read_bytes())
+            if run.output in ran:
+                recorded[run.output] = ran[run.output]
+            copied.append(run.output)
+    (kept / COMMANDS_FILE).write_text(json.dumps(recorded, indent=1) + "\n")
+    return copied
 
 
 def write_report(results: Path, markdown: Path) -> list[str]:

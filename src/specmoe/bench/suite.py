@@ -70,7 +70,7 @@ class Suite:
         if self.s.grid:
             n += sum(len(self.s.policies) + len(self.anchors_at(b)) for b in self.s.batch_sizes) * rounds
         for name in self.s.ablations:
-            n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick))) * rounds
+            n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick, self.s.ablation_gammas))) * rounds
         return n
 
     # --- builders -------------------------------------------------------------------------------------
@@ -117,15 +117,15 @@ class Suite:
     def _fit_together(self, labels: list[str], batch: int, max_len: int, budget: int) -> bool:
         """Whether the group's runners fit in host memory side by side (then their rounds
         interleave); if not, a note says they run one after another. On the host a budget
-        is host memory; whoever holds every weight needs all of them in the compute dtype;
-        llama.cpp maps its file (page cache the kernel can reclaim)."""
+        is host memory; whoever holds every weight needs all of them in the compute dtype,
+        llama.cpp too: counted as page cache it could give back, the real-size group at B = 1
+        was judged to fit in 22 GiB and the kernel killed it at 24 GiB of anonymous memory."""
         available = available_bytes()
         if available is None or resolve_device(self.s.device).type != "cpu":
             return True
         info = self.info
         whole = info["non_expert_bytes"] + info["expert_bytes_total"] + info["kv_bytes_per_token"] * batch * max_len
-        needs = {label: 0 if label == "llama.cpp" else whole if label in ("resident", "transformers") else budget
-                 for label in labels}
+        needs = {label: whole if label in ("resident", "transformers", "llama.cpp") else budget for label in labels}
         if fit_together(needs, available):
             return True
         self.notes.append(f"B={batch}: runners built, run and closed one at a time, rounds not interleaved (side by "
@@ -242,7 +242,7 @@ class Suite:
         base_budget = self._budget(batch, max_len)
         builders = [self._policy_builder("ondemand", "ondemand", prompts, batch, max_len, base_budget,
                                          f"{name}-ondemand-b{batch}", {"variant": "ondemand"})]
-        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick):
+        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
             budget = self._budget(batch, v_len)

@@ -1,0 +1,74 @@
+"""BENCHMARKS.md reproduces from the documents committed beside it (benchmarks/results/):
+each section whose documents are kept there renders, byte for byte, to what the page
+holds between its markers. Sections measured before documents were kept are listed by
+name, so the list can only shrink: a section re-measured with `make bench` keeps its
+documents, and a new section cannot join the page without them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specmoe.bench.report import section_block
+from specmoe.bench.sections import COMMANDS_FILE, SECTIONS, keep_documents, render
+
+ROOT = Path(__file__).resolve().parent.parent
+KEPT = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "BENCHMARKS.md"
+
+# Their figures predate benchmarks/results/: re-measuring a section (make bench, or
+# benchmarks/run_all.py --only NAME) keeps its documents and takes it off this list.
+MEASURED_BEFORE_DOCUMENTS_WERE_KEPT = {
+    "machine", "real-size-runs", "grid", "validation", "capped", "quant", "quantized", "gguf", "ablations",
+    "host", "identity", "serving", "soak", "eval", "ui", "projections", "replicas", "anchors", "profile",
+    "translate", "quick",
+}
+
+
+def kept(section) -> bool:
+    return all((KEPT / run.output).is_file() for run in section.runs)
+
+
+def test_every_section_on_the_page_has_its_documents_or_is_listed_as_older():
+    without = {s.name for s in SECTIONS if section_block(PAGE.read_text(), s.name) is not None and not kept(s)}
+    assert without == MEASURED_BEFORE_DOCUMENTS_WERE_KEPT
+
+
+@pytest.mark.parametrize("section", [s for s in SECTIONS if kept(s)], ids=lambda s: s.name)
+def test_section_renders_byte_for_byte_from_its_committed_documents(section):
+    assert render(section, KEPT) == section_block(PAGE.read_text(), section.name)
+
+
+def test_a_changed_figure_in_a_document_changes_the_rendered_section(tmp_path):
+    section = next(s for s in SECTIONS if kept(s))
+    for path in KEPT.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    doc_path = tmp_path / section.runs[0].output
+    doc = json.loads(doc_path.read_text())
+    record = next(r for r in doc["records"] if r.get("decode_tokens_per_s"))
+    record["decode_tokens_per_s"] *= 1.5
+    doc_path.write_text(json.dumps(doc))
+    assert render(section, tmp_path) != section_block(PAGE.read_text(), section.name)
+
+
+def test_keep_documents_copies_a_sections_documents_and_their_commands(tmp_path):
+    results, kept_dir = tmp_path / "results", tmp_path / "kept"
+    results.mkdir()
+    section = next(s for s in SECTIONS if s.name == "real-size")
+    for run in section.runs:
+        (results / run.output).write_text(json.dumps({"which": run.output}))
+    (results / "grid.json").write_text("{}")  # another section's document stays behind
+    (results / COMMANDS_FILE).write_text(json.dumps({run.output: f"cmd {run.output}" for run in section.runs}))
+    (kept_dir).mkdir()
+    (kept_dir / COMMANDS_FILE).write_text(json.dumps({"grid.json": "older grid command"}))
+
+    copied = keep_documents(results, kept_dir, ["real-size"])
+
+    assert copied == [run.output for run in section.runs]
+    assert sorted(p.name for p in kept_dir.iterdir()) == sorted([COMMANDS_FILE, *copied])
+    assert json.loads((kept_dir / section.runs[0].output).read_text()) == {"which": section.runs[0].output}
+    commands = json.loads((kept_dir / COMMANDS_FILE).read_text())
+    assert commands == {"grid.json": "older grid command", **{r.output: f"cmd {r.output}" for r in section.runs}}
