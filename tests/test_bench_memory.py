@@ -10,7 +10,7 @@ import random
 import pytest
 
 from specmoe.bench import grid, suite
-from specmoe.bench.grid import Builder, fit_together, measure
+from specmoe.bench.grid import Builder, fit_together, measure, runner_needs
 from specmoe.bench.runners import Runner
 from specmoe.cli import main
 
@@ -58,6 +58,14 @@ def test_fit_together_compares_the_sum_with_a_share_of_what_is_available():
     assert fit_together({"resident": 6 << 30, "ondemand": 2 << 30}, 10 << 30)
     assert not fit_together({"resident": 6 << 30, "ondemand": 2 << 30, "transformers": 6 << 30}, 10 << 30)
     assert not fit_together({"a": 9 << 30}, 10 << 30)  # 90 % of it: no room for the rest of the process
+
+
+def test_every_runner_that_holds_the_whole_model_counts_all_of_it():
+    needs = runner_needs(["resident", "ondemand", "specmoe", "transformers", "llama.cpp"], whole=6 << 30, budget=2 << 30)
+    assert needs == {"resident": 6 << 30, "ondemand": 2 << 30, "specmoe": 2 << 30, "transformers": 6 << 30,
+                     "llama.cpp": 6 << 30}
+    # the real-size group at B = 1 on a machine with 22 GiB available: one at a time (together it was killed)
+    assert not fit_together(needs, 22 << 30)
 
 
 def test_a_bench_that_does_not_fit_runs_one_at_a_time_with_the_same_tokens(tiny_ckpt, tmp_path, monkeypatch):

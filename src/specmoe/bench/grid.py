@@ -162,6 +162,16 @@ def measure(builders: list[Builder], repeats: int, on_run: Callable | None = Non
     return measurements
 
 
+WHOLE_MODEL_RUNNERS = ("resident", "transformers", "llama.cpp")  # every weight in the process's memory
+
+
+def runner_needs(labels: list[str], whole: int, budget: int) -> dict[str, int]:
+    """Host memory each runner holds: the whole model for those that keep every weight
+    (llama.cpp too: counted as page cache it could give back, a real-size group judged to
+    fit in 22 GiB was killed by the kernel at 24 GiB anonymous), the budget for the rest."""
+    return {label: whole if label in WHOLE_MODEL_RUNNERS else budget for label in labels}
+
+
 def fit_together(needs: dict[str, int], available: int, share: float = 0.85) -> bool:
     """Whether runners needing `needs` bytes of host memory each (label -> bytes) fit side
     by side in `share` of the `available` bytes."""

@@ -29,6 +29,7 @@ from .grid import (
     measure,
     prompts_for_batch,
     ratio,
+    runner_needs,
     summarize,
     token_agreement,
     tokps,
@@ -117,15 +118,13 @@ class Suite:
     def _fit_together(self, labels: list[str], batch: int, max_len: int, budget: int) -> bool:
         """Whether the group's runners fit in host memory side by side (then their rounds
         interleave); if not, a note says they run one after another. On the host a budget
-        is host memory; whoever holds every weight needs all of them in the compute dtype,
-        llama.cpp too: counted as page cache it could give back, the real-size group at B = 1
-        was judged to fit in 22 GiB and the kernel killed it at 24 GiB of anonymous memory."""
+        is host memory; whoever holds every weight needs all of them (`runner_needs`)."""
         available = available_bytes()
         if available is None or resolve_device(self.s.device).type != "cpu":
             return True
         info = self.info
         whole = info["non_expert_bytes"] + info["expert_bytes_total"] + info["kv_bytes_per_token"] * batch * max_len
-        needs = {label: whole if label in ("resident", "transformers", "llama.cpp") else budget for label in labels}
+        needs = runner_needs(labels, whole, budget)
         if fit_together(needs, available):
             return True
         self.notes.append(f"B={batch}: runners built, run and closed one at a time, rounds not interleaved (side by "
