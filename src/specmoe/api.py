@@ -94,6 +94,8 @@ class LLM:
             raise
         opts = self.options
         policy_stats = engine.policy.stats()
+        if engine.policy.speculative:  # the dtype of the draft's attention projections and LM head
+            policy_stats["draft_dense"] = str(engine.draft_dense or engine.dtype).removeprefix("torch.")
         if engine.auto_plan:
             policy_stats.update(auto_choice=engine.policy.name, auto_plan=engine.auto_plan)
         self.last_stats = summarize(

@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-compute", default="device", help="device | host")
     p.add_argument("--draft-quant", default="auto",
                    help="auto (int8, else int4 copies of every expert where they fit) | none (the paper's draft) | int8 | int4 | int3")
+    p.add_argument("--draft-dense", default="auto",
+                   help="auto (where this CPU multiplies bfloat16 faster) | bfloat16 | none: the draft's attention "
+                   "projections and LM head in bfloat16, kept so where the checkpoint stores them so (specmoe)")
     p.add_argument("--cache-fraction", type=float, default=0.1, help="share of each block kept resident (caching)")
     p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
 
@@ -56,6 +59,7 @@ def engine_options(args, max_batch_size: int) -> dict:
         device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
         gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
+        draft_dense=args.draft_dense,
         cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
     )
 

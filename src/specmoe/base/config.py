@@ -27,6 +27,7 @@ DRAFT_SETS = ("temporal-hot", "global-hot", "random")
 SUBSTITUTIONS = ("affinity", "random")
 DRAFT_COMPUTE = ("device", "host")
 DRAFT_QUANT = ("auto", "none", "int8", "int4", "int3")
+DRAFT_DENSE = ("auto", "bfloat16", "none")
 # The longest draft the gamma tuner and the planner's search try, and the provisional KV
 # positions every sequence reserves for a step's rollback. Long drafts pay when verification
 # is transfer-bound (it then costs about the same at any gamma) and the draft agrees with
@@ -56,6 +57,9 @@ class EngineConfig:
     substitution: str = "affinity"
     draft_compute: str = "device"
     draft_quant: str = "auto"  # auto: int8, else int4 copies of every expert where they fit; none: the paper's draft
+    # the draft's attention projections and LM head in bfloat16 (kept so, where the checkpoint has them so);
+    # auto: where this CPU multiplies bfloat16 faster (engine.draft_dense_dtype); none: in the compute dtype
+    draft_dense: str = "auto"
     cache_fraction: float = 0.1
     trace: str | None = None
     threads: int | None = None  # CPU compute threads; None: half the cores (the rest move experts)
@@ -63,7 +67,8 @@ class EngineConfig:
     def __post_init__(self):
         for name, allowed in (("device", DEVICES), ("dtype", COMPUTE_DTYPES), ("offload", OFFLOAD_TIERS),
                               ("policy", POLICY_NAMES), ("draft_set", DRAFT_SETS), ("substitution", SUBSTITUTIONS),
-                              ("draft_compute", DRAFT_COMPUTE), ("draft_quant", DRAFT_QUANT)):
+                              ("draft_compute", DRAFT_COMPUTE), ("draft_quant", DRAFT_QUANT),
+                              ("draft_dense", DRAFT_DENSE)):
             _choice(name, getattr(self, name), allowed)
         if self.device_memory is not None and expert_share(self.device_memory) is None:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory, "device_memory"))

@@ -85,7 +85,8 @@ class SpeculativeDecoder:
         with engine.pass_scope("draft") as experts:
             for k in range(max(lengths, default=0)):
                 active = [i for i, g in enumerate(lengths) if g > k]
-                logits = engine.forward_logits(experts, [seqs[i].slot for i in active], [[current[i]] for i in active])
+                logits = engine.forward_logits(experts, [seqs[i].slot for i in active], [[current[i]] for i in active],
+                                               draft=True)
                 greedy = logits.argmax(-1).tolist()  # every row's, in one call
                 for i, row, token in zip(active, logits, greedy):
                     seq = seqs[i]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..base.model_config import ModelConfig
 from .kv_cache import KVCache, StepBatch
-from .layers import rms_norm
+from .layers import linear, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q/kv latent RMSNorms use their default eps, not the config's
 
@@ -93,7 +93,7 @@ def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     a, eps = c.attention, c.rms_norm_eps
     T, d = x.shape[0], a.head_dim
     H, G = a.num_heads, a.num_kv_heads
-    qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+    qkv = linear(x, lw.qkv, lw.qkv_bias, batch.draft)
     plain = a.qk_norm in ("none", "l2") and a.clip_qkv is None  # l2 comes after the rotation
     if plain and rope is not None:  # q and k side by side: rotated in one go
         # (split_with_sizes: Tensor.split is a Python wrapper around it, twice as slow at batch 1)
@@ -118,7 +118,7 @@ def gqa(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
         q = (q * scales[:, None, None]).to(q.dtype)
     keys, values, mask = cache.write_and_read(i, batch, k, v)
     out = attend(q, keys, values, mask, batch, a.scale, lw.sinks, by_length=not cache.is_windowed(i))
-    return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
+    return linear(out.reshape(T, -1), lw.o, lw.o_bias, batch.draft)
 
 
 def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KVCache, rope) -> torch.Tensor:

@@ -44,6 +44,7 @@ class StepBatch:
     max_new: int
     uniform: bool = False  # every sequence has max_new new tokens: tokens are already the padded layout
     attends_all: bool = False  # one new token each at the same position: every query sees every key
+    draft: bool = False  # a draft pass: dense weights kept in bfloat16 may be multiplied in it (layers.linear)
     _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
     _key_runs: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -64,7 +65,7 @@ class StepBatch:
         return rows
 
     @classmethod
-    def build(cls, slots, starts, counts, device) -> StepBatch:
+    def build(cls, slots, starts, counts, device, draft: bool = False) -> StepBatch:
         slots, starts, counts = tuple(slots), tuple(starts), tuple(counts)
         if not counts or min(counts) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
@@ -82,6 +83,7 @@ class StepBatch:
             max_new=max_new,
             uniform=min(counts) == max_new,
             attends_all=max_new == 1 and min(starts) == max(starts),
+            draft=draft,
         )
 
     def _long(self, values) -> torch.Tensor:

@@ -17,6 +17,19 @@ def as_float32(t: torch.Tensor) -> torch.Tensor:
     return as_dtype(t, torch.float32)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
+    """x w^T + b for a dense weight that may be kept in another dtype than x (bfloat16
+    beside float32 activations, `draft_weights`): widened to x's dtype, an exact copy of a
+    bfloat16 checkpoint's values, so the product is the one float32 weights give; in a
+    draft pass (`draft`) multiplied in bfloat16 instead, several times faster on CPUs with
+    bfloat16 matrix units, and only the draft's guesses round differently."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, b)
+    if draft:
+        return F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
+    return F.linear(x, w.t().to(x.dtype).t() if w.stride(0) == 1 else w.to(x.dtype), b)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # Normalise in float32 whatever the activation dtype, as the reference does. In float32
     # torch's own rms_norm computes exactly these products, in one call instead of six.

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..base.model_config import ModelConfig
 from .attention import ATTENTION
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
-from .layers import as_float32, norm, swiglu
+from .layers import as_float32, linear, norm, swiglu
 from .moe import ExpertBackend, Routing, expert_forward
 from .rope import RotaryTable
 from .routers import route
@@ -46,8 +46,8 @@ class MoETransformer:
         return KVCache(layers, num_slots, max_len or self.config.max_position_embeddings, self.dtype, self.device,
                        rollback)
 
-    def step_batch(self, slots, starts, counts) -> StepBatch:
-        return StepBatch.build(slots, starts, counts, self.device)
+    def step_batch(self, slots, starts, counts, draft: bool = False) -> StepBatch:
+        return StepBatch.build(slots, starts, counts, self.device, draft)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache, experts: ExpertBackend) -> torch.Tensor:
@@ -66,9 +66,9 @@ class MoETransformer:
     def norm(self, x, weight, bias=None) -> torch.Tensor:
         return norm(self.config.family.norm, x, weight, bias, self.config.rms_norm_eps)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, D] final hidden states -> [n, V] float32 logits."""
-        return as_float32(F.linear(hidden, self.weights.lm_head, self.weights.lm_head_bias))
+    def logits(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """[n, D] final hidden states -> [n, V] float32 logits (`draft`: a draft pass's, see layers.linear)."""
+        return as_float32(linear(hidden, self.weights.lm_head, self.weights.lm_head_bias, draft))
 
     def mlp(self, i, lw: LayerWeights, x, experts: ExpertBackend) -> torch.Tensor:
         if lw.router is None:

@@ -95,13 +95,17 @@ class ModelWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+    def load(cls, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+             draft_dtype: torch.dtype | None = None) -> ModelWeights:
+        """`draft_dtype` (bfloat16): the attention projections and the LM head stay in it where
+        the checkpoint stores them so (the draft multiplies them in it; exact passes widen them
+        to `dtype`, the very values loading in `dtype` gives: layers.linear)."""
         c = ckpt.config
         D, V = c.hidden_size, c.vocab_size
-        loader = _Loader(ckpt, device, dtype)
+        loader = _Loader(ckpt, device, dtype, draft_dtype)
         layers = [loader.layer(i) for i in range(c.num_layers)]
         embed = loader.get("embed", (V, D))
-        head = None if c.tie_word_embeddings else loader.get("lm_head", (V, D), required=False)
+        head = None if c.tie_word_embeddings else loader.dense("lm_head", (V, D), required=False)
         lm_head = embed if head is None else column_major(head)  # none in the file: the embedding is the head
         encoder = c.seq2seq is not None
         encoder_embed = loader.get("encoder_embed", (V, D)) if encoder else None
@@ -128,13 +132,22 @@ def column_major(w: torch.Tensor) -> torch.Tensor:
 class _Loader:
     """Reads one layer's tensors by role (base/checkpoint.py names them), on the device."""
 
-    def __init__(self, ckpt: Checkpoint, device, dtype):
-        self.ckpt, self.device, self.dtype = ckpt, device, dtype
+    def __init__(self, ckpt: Checkpoint, device, dtype, draft_dtype=None):
+        self.ckpt, self.device, self.dtype, self.draft_dtype = ckpt, device, dtype, draft_dtype
         self.c = ckpt.config
 
     def get(self, role, shape, layer=None, required=True):
         t = self.ckpt.get(role, shape, layer, required)
         return None if t is None else t.to(device=self.device, dtype=self.dtype)
+
+    def dense(self, role, shape, layer=None, required=True):
+        """A dense matrix the draft multiplies: kept in `draft_dtype` when the checkpoint
+        stores it in that dtype (widening it back is then exact), else as `get`."""
+        t = self.ckpt.get(role, shape, layer, required)
+        if t is None:
+            return None
+        keep = self.draft_dtype is not None and t.dtype == self.draft_dtype
+        return t.to(device=self.device, dtype=self.draft_dtype if keep else self.dtype)
 
     def pair(self, gate_role, up_role, down_role, inter, i):
         """A SwiGLU MLP as gate_up [2F, D] (gate rows first) and down [D, F]."""
@@ -146,7 +159,8 @@ class _Loader:
         c, D = self.c, self.c.hidden_size
         lw = LayerWeights(
             attn_norm=self.get("attn_norm", (D,), i), mlp_norm=self.get("mlp_norm", (D,), i),
-            o=column_major(self.get("o", (D, c.num_heads * c.attention.v_head_dim), i)),
+            o=column_major((self.get if c.attention.kind == "mla" else self.dense)(
+                "o", (D, c.num_heads * c.attention.v_head_dim), i)),
             o_bias=self.get("o_bias", (D,), i, required=False),
         )
         if c.family.norm == "layer":
@@ -179,12 +193,15 @@ class _Loader:
     def gqa(self, lw: LayerWeights, i: int) -> None:
         a, D = self.c.attention, self.c.hidden_size
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        lw.qkv = column_major(torch.cat([self.get(role, (n, D), i)
-                                         for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]))
+        parts = [self.dense(role, (n, D), i) for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
+        if len({p.dtype for p in parts}) > 1:  # one of them not stored in the draft dtype: all in the compute dtype
+            parts = [p.to(self.dtype) for p in parts]
+        lw.qkv = column_major(torch.cat(parts))
         biases = [self.get(role + "_bias", (n,), i, required=False)
                   for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
         if any(b is not None for b in biases):  # a missing one adds zeros: x.w + 0 is x.w exactly
-            lw.qkv_bias = torch.cat([b if b is not None else lw.qkv.new_zeros(n)
+            zeros = dict(dtype=self.dtype, device=self.device)
+            lw.qkv_bias = torch.cat([b if b is not None else torch.zeros(n, **zeros)
                                      for b, n in zip(biases, (q_out, kv_out, kv_out))])
         norm_q, norm_k = {"head": (a.head_dim, a.head_dim), "full": (q_out, kv_out)}.get(a.qk_norm, (None, None))
         if norm_q:
