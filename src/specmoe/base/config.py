@@ -31,7 +31,8 @@ DRAFT_DENSE = ("auto", "bfloat16", "none")
 # The longest draft the gamma tuner and the planner's search try, and the provisional KV
 # positions every sequence reserves for a step's rollback. Long drafts pay when verification
 # is transfer-bound (it then costs about the same at any gamma) and the draft agrees with
-# the model: on the real-size model at B = 16, 24 drafted tokens beat 10 (BENCHMARKS.md).
+# the model: on the real-size model at B = 16 (training prompts, single runs) 16 and 24 drafted
+# tokens beat 10; `benchmarks/run_all.py --only gamma-real-size` measures it in one run.
 MAX_GAMMA = 32
 
 

@@ -19,7 +19,7 @@ def as_float32(t: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
     """x w^T + b for a dense weight that may be kept in another dtype than x (bfloat16
-    beside float32 activations, `draft_weights`): widened to x's dtype, an exact copy of a
+    beside float32 activations, ModelWeights.load's draft_dtype): widened to x's dtype, an exact copy of a
     bfloat16 checkpoint's values, so the product is the one float32 weights give; in a
     draft pass (`draft`) multiplied in bfloat16 instead, several times faster on CPUs with
     bfloat16 matrix units, and only the draft's guesses round differently."""

@@ -136,18 +136,18 @@ class _Loader:
         self.ckpt, self.device, self.dtype, self.draft_dtype = ckpt, device, dtype, draft_dtype
         self.c = ckpt.config
 
-    def get(self, role, shape, layer=None, required=True):
-        t = self.ckpt.get(role, shape, layer, required)
-        return None if t is None else t.to(device=self.device, dtype=self.dtype)
-
-    def dense(self, role, shape, layer=None, required=True):
-        """A dense matrix the draft multiplies: kept in `draft_dtype` when the checkpoint
-        stores it in that dtype (widening it back is then exact), else as `get`."""
+    def get(self, role, shape, layer=None, required=True, keep=None):
+        """The tensor on the device in the compute dtype; in `keep` instead where the
+        checkpoint stores it in that dtype."""
         t = self.ckpt.get(role, shape, layer, required)
         if t is None:
             return None
-        keep = self.draft_dtype is not None and t.dtype == self.draft_dtype
-        return t.to(device=self.device, dtype=self.draft_dtype if keep else self.dtype)
+        return t.to(device=self.device, dtype=keep if keep is not None and t.dtype == keep else self.dtype)
+
+    def dense(self, role, shape, layer=None, required=True):
+        """A dense matrix the draft multiplies: kept in `draft_dtype` where the checkpoint
+        stores it so (widening it back is then exact)."""
+        return self.get(role, shape, layer, required, keep=self.draft_dtype)
 
     def pair(self, gate_role, up_role, down_role, inter, i):
         """A SwiGLU MLP as gate_up [2F, D] (gate rows first) and down [D, F]."""
