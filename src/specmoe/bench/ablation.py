@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..base.config import MAX_GAMMA
 from ..base.errors import SpecMoEError
 
-ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant")
+ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant", "draft-dense")
 
 # The paper's ablations are of its draft: N full-precision experts per block plus substitutes.
 # They run with draft_quant="none" whatever the run's --draft-quant (quantized copies of
@@ -31,6 +31,8 @@ WHAT = {
                      "with the exact router (host)",
     "draft-quant": "what drafts: the paper's N resident experts plus substitutes (none) vs quantized copies of every "
                    "expert on the device (int8, int4); verification stays full precision",
+    "draft-dense": "the draft's attention projections and LM head multiplied in the compute dtype (none) or kept "
+                   "in bfloat16 where the checkpoint is (bfloat16); exact passes widen them back, so tokens never change",
 }
 
 
@@ -70,4 +72,6 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
         return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]
     if name == "draft-quant":
         return [Variant(f"draft {q}", {"draft_quant": q}, {}) for q in ("none", "int8", "int4")]
+    if name == "draft-dense":
+        return [Variant(f"dense {d}", {"draft_dense": d}, {"draft_dense": d}) for d in ("none", "bfloat16")]
     raise ValueError(name)

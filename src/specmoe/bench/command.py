@@ -20,7 +20,7 @@ from ..base.units import parse_batch_sizes, parse_rate, parse_size
 from ..flags import add_model_args
 from ..tools.info import model_info
 from . import report, sections
-from .ablation import parse_ablations
+from .ablation import ABLATIONS, parse_ablations
 from .anchors import ANCHORS
 from .grid import EXPERT_FRACTION, encode_prompts
 from .machine import machine_info
@@ -73,8 +73,7 @@ def register(subparsers) -> None:
     p.add_argument("--markdown-section", help="section name in --markdown FILE (default: from tier, bandwidth and --quick)")
     p.add_argument("--report", metavar="DIR", help="run nothing: rewrite every BENCHMARKS.md section in --markdown FILE "
                    "from the JSON that benchmarks/run_all.py saved in DIR (make bench-report)")
-    p.add_argument("--ablation", help="draft-set | substitution | draft-experts | gamma | draft-compute | draft-quant, "
-                   "comma-separated, or all")
+    p.add_argument("--ablation", help=" | ".join(ABLATIONS) + ", comma-separated, or all")
     p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
     p.add_argument("--ablation-gammas", help="the gamma ablation's draft lengths, comma-separated (default 1 to 10, "
                    "16, 24, 32; --quick: 1,3,5,10)")

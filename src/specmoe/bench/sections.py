@@ -136,6 +136,29 @@ SECTIONS = (
                           + "\n### The goals, each a ratio within one run\n\n"
                           + tables.real_size_goals([docs["real-size.json"], docs["real-size-64.json"]],
                                                    docs["real-size-paper.json"]))),
+    Section("real-size-drafts", "Real size: the paper's draft at B = 64, and the draft's bfloat16 projections",
+            "The real-size model, disk tier at 30 %, held-out prompts, one torch thread. First the paper's draft "
+            "(`--draft-quant none`) beside ondemand at B = 64, 32 tokens (B = 1 and 16: the section above). Then "
+            "`--draft-dense` at B = 16 and 64 (64 tokens, the default draft): the draft's attention projections and "
+            "LM head multiplied in float32 (none) against kept in bfloat16 as the checkpoint stores them "
+            "(bfloat16, what auto chose at these batch sizes), each beside ondemand in one rotation: whether "
+            "bfloat16 drafts pay, and whether they cost acceptance.",
+            (Run("real-size-paper-64.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
+                 f"--batch-sizes 64 --policies ondemand,specmoe --draft-quant none {REAL_SIZE_PAPER_RUN} "
+                 "--anchors none --json {out}/real-size-paper-64.json",
+                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --batch-sizes 4 "
+                 f"--policies ondemand,specmoe --draft-quant none {BENCH_SMOKE} --anchors none "
+                 "--json {out}/real-size-paper-64.json"),
+             *(Run(f"draft-dense-real-size-{b}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
+                   f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-dense --ablation-batch-size {b} "
+                   f"{REAL_SIZE_RUN} --anchors none --json {{out}}/draft-dense-real-size-{b}.json",
+                   f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
+                   f"draft-dense --ablation-batch-size {s} {BENCH_SMOKE} --anchors none "
+                   f"--json {{out}}/draft-dense-real-size-{b}.json") for b, s in ((16, 2), (64, 4)))),
+            lambda docs: (report.markdown(docs["real-size-paper-64.json"], "real-size", heading=False)
+                          + "\n" + report.markdown(docs["draft-dense-real-size-16.json"], "real-size", heading=False)
+                          + "\n" + report.markdown(docs["draft-dense-real-size-64.json"], "real-size",
+                                                   heading=False))),
     Section("gamma-real-size", "Choosing gamma at real size",
             "The default γ is chosen on the training prompts (benchmarks/prompts/train.jsonl), not the held-out "
             "ones every other table reports on. On the real-size model at B = 16, 30 % budget, real disk tier, "
