@@ -44,7 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--substitution", default="affinity", help="affinity | random")
     p.add_argument("--draft-compute", default="device", help="device | host")
     p.add_argument("--draft-quant", default="auto",
-                   help="auto (int8, else int4 copies of every expert where they fit) | none (the paper's draft) | int8 | int4 | int3")
+                   help="auto (int8, else int4 copies of every expert where they fit; with --draft-memory: each "
+                   "expert's precision chosen) | none (the paper's draft) | int8 | int4 | int3 | int2 (with "
+                   "--draft-memory: that precision only, for the experts it holds)")
+    p.add_argument("--draft-memory", help="device bytes the draft may hold, e.g. 400MiB, or a share of the device "
+                   "budget, e.g. 20%%: quantized copies and full-precision draft experts chosen expert by expert "
+                   "from how often each is picked (specmoe; default: --draft-quant's rule)")
     p.add_argument("--draft-dense", default="auto",
                    help="auto (where this CPU multiplies bfloat16 faster) | bfloat16 | none: the draft's attention "
                    "projections and LM head in bfloat16, kept so where the checkpoint stores them so (specmoe)")
@@ -59,7 +64,7 @@ def engine_options(args, max_batch_size: int) -> dict:
         device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
         gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
-        draft_dense=args.draft_dense,
+        draft_dense=args.draft_dense, draft_memory=args.draft_memory,
         cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,
     )
 

@@ -26,7 +26,7 @@ POLICY_NAMES = ("resident", "ondemand", "overlap", "caching", "host", "specmoe",
 DRAFT_SETS = ("temporal-hot", "global-hot", "random")
 SUBSTITUTIONS = ("affinity", "random")
 DRAFT_COMPUTE = ("device", "host")
-DRAFT_QUANT = ("auto", "none", "int8", "int4", "int3")
+DRAFT_QUANT = ("auto", "none", "int8", "int4", "int3", "int2")
 DRAFT_DENSE = ("auto", "bfloat16", "none")
 # The longest draft the gamma tuner and the planner's search try, and the provisional KV
 # positions every sequence reserves for a step's rollback. Long drafts pay when verification
@@ -61,6 +61,10 @@ class EngineConfig:
     # the draft's attention projections and LM head in bfloat16 (kept so, where the checkpoint has them so);
     # auto: where this CPU multiplies bfloat16 faster (engine.draft_dense_dtype); none: in the compute dtype
     draft_dense: str = "auto"
+    # device bytes the draft may hold (its quantized copies and full-precision draft experts),
+    # chosen expert by expert (policies/specmoe/allocation.py); "20%": a share of the device
+    # budget; None: the --draft-quant rule above (copies of every expert, or the paper's draft)
+    draft_memory: int | str | None = None
     cache_fraction: float = 0.1
     trace: str | None = None
     threads: int | None = None  # CPU compute threads; None: half the cores (the rest move experts)
@@ -73,6 +77,8 @@ class EngineConfig:
             _choice(name, getattr(self, name), allowed)
         if self.device_memory is not None and expert_share(self.device_memory) is None:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory, "device_memory"))
+        if self.draft_memory is not None and budget_share(self.draft_memory, "draft_memory") is None:
+            object.__setattr__(self, "draft_memory", parse_size(self.draft_memory, "draft_memory"))
         if self.offload_bandwidth is not None:
             object.__setattr__(self, "offload_bandwidth", parse_rate(self.offload_bandwidth))
         for name in ("max_batch_size", "gamma"):
@@ -95,6 +101,12 @@ class EngineConfig:
             raise SpecMoEError("policy host computes experts where they live and needs --offload host (not disk)")
         if self.draft_compute == "host" and self.offload != "host":
             raise SpecMoEError("--draft-compute host computes draft experts where they live and needs --offload host")
+        if self.draft_memory is not None and self.policy not in ("specmoe", "auto"):
+            raise SpecMoEError(f"--draft-memory sizes SpecMoE's draft; policy {self.policy} has none: drop it "
+                               "or use --policy specmoe")
+        if self.draft_memory is not None and self.draft_compute == "host":
+            raise SpecMoEError("--draft-memory sizes what the draft holds on the device; --draft-compute host "
+                               "holds nothing there: drop one of them")
         if self.draft_quant not in ("none", "auto") and self.draft_compute == "host":
             raise SpecMoEError(f"--draft-quant {self.draft_quant} already gives the draft every expert on the device; "
                                "drop --draft-compute host or use --draft-quant none")
@@ -123,6 +135,19 @@ def expert_share(device_memory) -> float | None:
             share = -1.0
         if not 0 <= share <= 1:
             raise SpecMoEError(f"device_memory {device_memory!r}: a share of the expert bytes must be 0%..100%")
+        return share
+    return None
+
+
+def budget_share(value, name: str) -> float | None:
+    """'20%' -> 0.2 (a share of the device budget); None for absolute sizes."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise SpecMoEError(f"{name} {value!r}: a share of the device budget must be above 0% and at most 100%")
         return share
     return None
 

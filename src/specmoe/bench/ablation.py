@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 from ..base.config import MAX_GAMMA
 from ..base.errors import SpecMoEError
 
-ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant", "draft-dense")
+ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant", "draft-dense",
+             "draft-memory")
+# the draft-memory curve: draft bytes as shares of all expert bytes, and what holds them
+DRAFT_MEMORY_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
+DRAFT_MEMORY_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"), ("int3", "int3"), ("int2", "int2"),
+                     ("paper", "none"))
 
 # The paper's ablations are of its draft: N full-precision experts per block plus substitutes.
 # They run with draft_quant="none" whatever the run's --draft-quant (quantized copies of
@@ -33,6 +38,10 @@ WHAT = {
                    "expert on the device (int8, int4); verification stays full precision",
     "draft-dense": "the draft's attention projections and LM head multiplied in the compute dtype (none) or kept "
                    "in bfloat16 where the checkpoint is (bfloat16); exact passes widen them back, so tokens never change",
+    "draft-memory": "what the draft holds in --draft-memory bytes (a share of all expert bytes, added to the run's "
+                    "budget so that verification keeps the same pool): each expert's precision chosen (allocated), "
+                    "one precision for the experts it can hold (int8 .. int2, the rest substituted), or the "
+                    "paper's full-precision draft experts (paper)",
 }
 
 
@@ -55,7 +64,9 @@ def parse_ablations(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None) -> list[Variant]:
+def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None,
+             expert_bytes: int = 0) -> list[Variant]:
+    """The ablation's specmoe variants; `expert_bytes`: all expert bytes (the draft-memory curve's unit)."""
     if name == "draft-set":
         return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
@@ -72,6 +83,11 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
         return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]
     if name == "draft-quant":
         return [Variant(f"draft {q}", {"draft_quant": q}, {}) for q in ("none", "int8", "int4")]
+    if name == "draft-memory":
+        shares = (0.05, 0.2) if quick else DRAFT_MEMORY_SHARES
+        return [Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
+                        {"draft_memory_share": share, "draft_way": label})
+                for share in shares for label, quant in DRAFT_MEMORY_WAYS]
     if name == "draft-dense":
         return [Variant(f"dense {d}", {"draft_dense": d}, {"draft_dense": d}) for d in ("none", "bfloat16")]
     raise ValueError(name)

@@ -71,7 +71,8 @@ class Suite:
         if self.s.grid:
             n += sum(len(self.s.policies) + len(self.anchors_at(b)) for b in self.s.batch_sizes) * rounds
         for name in self.s.ablations:
-            n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick, self.s.ablation_gammas))) * rounds
+            n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick, self.s.ablation_gammas,
+                                   self.info["expert_bytes_total"]))) * rounds
         return n
 
     # --- builders -------------------------------------------------------------------------------------
@@ -241,7 +242,7 @@ class Suite:
         base_budget = self._budget(batch, max_len)
         builders = [self._policy_builder("ondemand", "ondemand", prompts, batch, max_len, base_budget,
                                          f"{name}-ondemand-b{batch}", {"variant": "ondemand"})]
-        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas):
+        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, info["expert_bytes_total"]):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
             budget = self._budget(batch, v_len)
@@ -252,6 +253,8 @@ class Suite:
                 if need > budget:
                     budget = need
                     fields["budget_raised_to_fit_draft_experts"] = True
+            if "draft_memory" in v.options and s.device_memory is None:
+                budget += v.options["draft_memory"]  # the same pool for verification at every point
             builders.append(self._policy_builder(v.label, "specmoe", prompts, batch, v_len, budget,
                                                  f"{name}-{v.label}-b{batch}", fields, **v.options))
         where = f"ablation {name}, B={batch}"

@@ -12,6 +12,10 @@ Format (per matrix W [out, in], `in` the input dimension):
   int4 / int3: groups of 128 or 64 (whichever divides `in`, else the whole row),
   q + 2^(bits-1) as unsigned codes, packed 8 codes into
   `bits` bytes (int4: two per byte) in a planar layout (see `pack`).
+  int2: groups of 32 (else 64, 128, the row), codes packed as int3's; with four levels
+  the scale max|W_group| / qmax rounds most weights to 0, so each group's scale is
+  the one of a few clipped candidates (amax x 1.0 .. 0.4) with the least squared error
+  (`CLIP_RATIOS`; the report in `specmoe info --draft-quant int2` measures the gain).
 An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in [R, D]
 (gated: gate rows, then up rows) and w_out [D, I]; the biases of families that have them
 stay in float32 (a few hundred values).
@@ -53,9 +57,11 @@ from .kernels import (
 )
 from .packing import pack, packed_size, unpack
 
-QUANT_MODES = ("none", "int8", "int4", "int3")
-BITS = {"int8": 8, "int4": 4, "int3": 3}
+QUANT_MODES = ("none", "int8", "int4", "int3", "int2")
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 GROUP_SIZES = (128, 64)  # preferred group sizes of the packed modes along the input dimension, first that divides
+GROUP_SIZES_2BIT = (32, 64, 128)  # 2-bit codes need small groups: one outlier sets the scale of fewer weights
+CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)  # 2-bit scale candidates, as fractions of max|W_group| / qmax
 SCALE_DTYPE = torch.float16
 FORMAT_VERSION = 2  # part of the cache file name: bump when the layout changes (2: int8 per row)
 
@@ -75,7 +81,8 @@ def check_mode(mode: str) -> None:
 def group_size(in_features: int, bits: int) -> int:
     if bits == 8:
         return in_features
-    return next((g for g in GROUP_SIZES if in_features % g == 0), in_features)
+    sizes = GROUP_SIZES_2BIT if bits <= 2 else GROUP_SIZES
+    return next((g for g in sizes if in_features % g == 0), in_features)
 
 
 # --- one matrix -----------------------------------------------------------------------------
@@ -232,17 +239,36 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     qmax = (1 << (bits - 1)) - 1
     w32 = w.float().reshape(*w.shape[:-1], in_features // g, g)
     amax = w32.abs().amax(-1)
-    tiny = torch.finfo(SCALE_DTYPE).tiny
-    scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).clamp(tiny, torch.finfo(SCALE_DTYPE).max)
-    scales = scales.to(SCALE_DTYPE)
-    # Round against the stored (float16) scale so that dequantization reproduces q * s.
-    q = torch.round(w32 / scales.float()[..., None]).clamp(-qmax - 1, qmax).reshape(w.shape)
+    ratios = CLIP_RATIOS if bits <= 2 else (1.0,)
+    best, best_error = None, None
+    for ratio in ratios:
+        scales = _stored_scales(amax * ratio / qmax, amax)
+        # Round against the stored (float16) scale so that dequantization reproduces q * s.
+        q = torch.round(w32 / scales.float()[..., None]).clamp(-qmax - 1, qmax)
+        if len(ratios) == 1:
+            best = (scales, q)
+            break
+        error = (q * scales.float()[..., None] - w32).square().sum(-1)
+        if best is None:
+            best, best_error = (scales, q), error
+            continue
+        better = error < best_error
+        best = (torch.where(better, scales, best[0]), torch.where(better[..., None], q, best[1]))
+        best_error = torch.minimum(error, best_error)
+    scales, q = best
+    q = q.reshape(w.shape)
     if bits == 8:
         data = q.to(torch.int8)
     else:
         codes = (q + (1 << (bits - 1))).to(torch.uint8)
         data = pack(codes.reshape(*w.shape[:-2], -1), bits)
     return QuantizedMatrix(data.contiguous(), scales.contiguous(), bits, in_features)
+
+
+def _stored_scales(scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Scales as stored (float16, within its range); an all-zero group gets scale 1."""
+    finfo = torch.finfo(SCALE_DTYPE)
+    return torch.where(amax > 0, scales, torch.ones_like(scales)).clamp(finfo.tiny, finfo.max).to(SCALE_DTYPE)
 
 
 # --- experts ----------------------------------------------------------------------------------

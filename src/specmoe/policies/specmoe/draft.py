@@ -2,10 +2,10 @@
 
 Per block, a pick is computed with
 - the full-precision draft expert, when the pick is one (pinned in the device pool);
-- else, with quantized copies of every expert, the pick's quantized copy (the draft then
-  routes exactly like the full model);
+- else its quantized copy, when the draft holds one (copies of every expert: the draft
+  then routes exactly like the full model; under --draft-memory, of those chosen);
 - else, with `draft_compute="host"`, the expert itself on the host, where it lives;
-- else the substitute the policy's map names (nearest by affinity, or random).
+- else the substitute the policy's map names (nearest held by affinity, or random).
 Nothing here fetches: a draft pass moves no expert bytes.
 """
 
@@ -35,9 +35,10 @@ class Drafter:
         if p.runtime.options.draft_compute == "host":
             return p.blocks.run_block(layer, x, picked, on_host=set(picked.experts) - set(p.draft[layer]))
         resident = set(p.draft[layer])
+        if layer in p.substitute:  # what the draft does not hold becomes the nearest it does
+            picked = group_by_expert(routing.with_ids(p.substitute[layer][routing.ids]), self.num_experts)
         if p.quantized is None:
-            groups = group_by_expert(routing.with_ids(p.substitute[layer][routing.ids]), self.num_experts)
-            return dispatch(x, groups, lambda e, xs: self._resident(layer, e, xs))
+            return dispatch(x, picked, lambda e, xs: self._resident(layer, e, xs))
         # the quantized copies' input converted once per block; they run together, the
         # full-precision draft experts one by one
         outputs = p.quantized.block_outputs(layer, as_dtype(x, p.quantized.compute_dtype or x.dtype), picked,

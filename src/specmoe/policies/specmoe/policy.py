@@ -28,6 +28,7 @@ from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
 from .draft import Drafter
+from .draft_memory import DraftMemory
 from .draft_set import HotnessCounter, random_draft_set
 
 WORKING_SLOTS = 2  # slots beyond the draft sets, for streaming verification's fetches
@@ -68,21 +69,30 @@ class SpecMoEPolicy(OffloadPolicy):
         opts, c = runtime.options, runtime.config
         cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
         self.quantized, self.quantized_bytes = None, 0
-        self.draft_quant = self._reserve_quantized(runtime, cache)
-        super().__init__(replace(runtime, options=replace(opts, draft_quant=self.draft_quant)))  # auto, resolved
-        if self.quantized is not None:
+        self.memory = None  # with --draft-memory: what the draft holds, chosen expert by expert
+        if opts.draft_memory is not None:
+            self.memory = DraftMemory(runtime, cache, opts.draft_experts)
+            self.draft_quant = opts.draft_quant if opts.draft_quant != "auto" else "mixed"
+            n = self.memory.full_per_block
+            super().__init__(replace(runtime, options=replace(opts, draft_experts=n or None)))
+        else:
+            self.draft_quant = self._reserve_quantized(runtime, cache)
+            super().__init__(replace(runtime, options=replace(opts, draft_quant=self.draft_quant)))  # auto, resolved
+        if self.memory is not None:
+            default = self.memory.full_per_block
+        elif self.quantized is not None:
             # full-precision draft experts where the budget allows: possibly none
             fits = (self.pool.num_slots - WORKING_SLOTS) // len(c.draft_layer_ids)
             default = max(0, min(c.num_experts // 4, fits))
         else:
             default = self.default_draft_experts(c, self.pool.num_slots)
-        self.draft_experts = opts.draft_experts or default
+        self.draft_experts = default if self.memory is not None else (opts.draft_experts or default)
         self.rng = random.Random(0)
         self.draft: dict[int, list[int]] = {}  # block -> its draft experts (pinned in the pool)
         self.substitute: dict[int, torch.Tensor] = {}  # block -> [E] expert each pick becomes
         self.affinity = None
         if opts.substitution == "affinity" and opts.draft_compute == "device" and self.quantized is None:
-            self.affinity = load_affinity(runtime.checkpoint, cache)
+            self.affinity = load_affinity(runtime.checkpoint, cache)  # (every draft that substitutes)
         self.hotness = HotnessCounter(c.num_layers, c.num_experts)
         self.drafter = Drafter(self)
 
@@ -131,6 +141,9 @@ class SpecMoEPolicy(OffloadPolicy):
             prefetch_precision=self.prefetch_hits / self.prefetch_predicted if self.prefetch_predicted else None,
             prefetch_recall=self.prefetch_hits / self.prefetch_needed if self.prefetch_needed else None,
         )
+        if self.memory is not None:
+            held = self.memory.stats()
+            s.update(held, draft_quantized_bytes=held["draft_copies_bytes"])
         if self.quantized is not None:
             s["fused_kernels"] = {**s["fused_kernels"], **{f"draft {k}": v for k, v in self.quantized.kernels.items()}}
         return s
@@ -138,6 +151,7 @@ class SpecMoEPolicy(OffloadPolicy):
     # --- passes --------------------------------------------------------------------------
 
     def begin_pass(self, kind: str):
+        self.pass_kind = kind
         if kind == "draft":
             self.predicted = {}
             self._fetches_before_draft = self.transfer.fetches
@@ -149,7 +163,9 @@ class SpecMoEPolicy(OffloadPolicy):
         return self
 
     def end_pass(self, kind: str) -> None:
-        if kind == "prefill" and not self.draft:
+        if kind == "prefill" and self.memory is not None:
+            self.refresh(reallocate=True)  # new requests' routing: the copies chosen again
+        elif kind == "prefill" and not self.draft:
             self.refresh()  # the first draft set, from the prefill's routing
         if kind == "draft" and self.transfer.fetches != self._fetches_before_draft:
             raise RuntimeError("internal: a draft pass fetched experts; drafting must move no expert bytes")
@@ -175,6 +191,8 @@ class SpecMoEPolicy(OffloadPolicy):
             self.prefetch_predicted += len(predicted)
             self.prefetch_needed += len(needed)
         self.hotness.add(layer, routing.ids)
+        if self.memory is not None:
+            self.memory.record(layer, x, routing.ids, prefill=self.pass_kind == "prefill")
         return super().run_moe(layer, x, routing)
 
     # --- the draft set ---------------------------------------------------------------------
@@ -182,8 +200,9 @@ class SpecMoEPolicy(OffloadPolicy):
     def draft_sets(self) -> dict[int, list[int]]:
         return self.draft
 
-    def refresh(self) -> None:
-        """Make the N hottest experts of each block (or the configured choice) the draft set."""
+    def refresh(self, reallocate: bool = False) -> None:
+        """Make the N hottest experts of each block (or the configured choice) the draft set;
+        under --draft-memory, with `reallocate` also choose the quantized copies again."""
         opts, c, n = self.runtime.options, self.config, self.draft_experts
         table = self.pool.table
         new = {}
@@ -201,9 +220,17 @@ class SpecMoEPolicy(OffloadPolicy):
                     self.refresh_fetches += 1
                 self.transfer.ensure((layer, e))
                 table.pin((layer, e))
-            if self.quantized is None:  # with quantized copies nothing is substituted (and N may be 0)
+            if self.quantized is None and self.memory is None:  # with copies of every expert nothing is substituted
                 self.substitute[layer] = self._substitution(layer, experts)
         self.draft = new
+        if self.memory is not None:
+            if reallocate or self.quantized is None:
+                self.quantized = self.memory.reallocate(new, self.affinity)
+            for layer, experts in new.items():  # a pick neither held in full nor copied: the nearest that is
+                self.substitute[layer] = self._substitution(layer, sorted(set(experts) | set(self._copied(layer))))
+
+    def _copied(self, layer: int) -> list[int]:
+        return [e for (l, e) in self.quantized.modes if l == layer]
 
     def _substitution(self, layer: int, experts: list[int]) -> torch.Tensor:
         if self.affinity is not None:

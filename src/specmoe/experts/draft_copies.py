@@ -1,0 +1,116 @@
+"""Quantized draft copies of some experts, each in its own precision (`--draft-memory`).
+
+Where `QuantizedExperts` holds one mode's copies of every expert stacked per block,
+`ExpertCopies` holds the copies an allocation chose (policies/specmoe/allocation.py):
+expert (layer, e) in int8, another in int2, most in none. Each copy is read on its own
+from its mode's cache file (quant_cache.py: a row of the block's stacks), so loading
+holds the chosen copies, never a whole mode's; a mode's file is built once, the first
+time a copy of that mode is wanted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..base.checkpoint import Checkpoint
+from ..base.safetensors_stream import SafetensorsReader
+from .kernels import Shape, choose
+from .quant import BITS, Int4KernelMatrix, Int8KernelMatrix, QuantizedExpert, QuantizedExperts, QuantizedMatrix, kernel_shape
+from .quant_cache import cache_path, load_quantized
+
+Key = tuple[int, int]
+
+
+class ExpertCopies(QuantizedExperts):
+    """Copies of the experts an allocation names, each in its mode, on the device."""
+
+    def __init__(self, copies: dict[Key, QuantizedExpert], modes: dict[Key, str], spec):
+        super().__init__("mixed", {}, spec)
+        self._experts = dict(copies)
+        self.modes = dict(modes)
+        # bfloat16 once per block only when every copy goes through a fused kernel
+        self.compute_dtype = torch.bfloat16 if copies and all(
+            isinstance(m, (Int4KernelMatrix, Int8KernelMatrix)) for q in copies.values()
+            for m in (q.gate_up, q.down)) else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self._experts.values())
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return max((q.scratch_bytes(dtype) for q in self._experts.values()), default=0)
+
+    def expert(self, layer: int, e: int) -> QuantizedExpert:
+        return self._experts[layer, e]
+
+    def has(self, layer: int, e: int) -> bool:
+        return (layer, e) in self._experts
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the copies hold (what a test measures their bytes by)."""
+        out = []
+        for q in self._experts.values():
+            for m in (q.gate_up, q.down):
+                out += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+            out += [b for b in (q.b_in, q.b_out) if b is not None]
+        return out
+
+    def count(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for mode in self.modes.values():
+            out[mode] = out.get(mode, 0) + 1
+        return dict(sorted(out.items()))
+
+
+def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None, device,
+                have: ExpertCopies | None = None) -> tuple[ExpertCopies, int]:
+    """The copies `wanted` names ((layer, e) -> mode), on `device`; those `have` already
+    holds in the same mode are kept, not read again. Returns them and the bytes read."""
+    spec = ckpt.config.expert
+    copies, read = {}, 0
+    by_mode: dict[str, list[Key]] = {}
+    for key, mode in sorted(wanted.items()):
+        if have is not None and have.modes.get(key) == mode:
+            copies[key] = have.expert(*key)
+        else:
+            by_mode.setdefault(mode, []).append(key)
+    kernels = dict(have.kernels) if have is not None else {}
+    for mode, keys in by_mode.items():
+        choices = _kernel_choices(spec, mode, device)
+        kernels.update({s.key: c.describe() for s, c in choices.items()})
+        for key, host in _read_rows(ckpt, mode, keys, cache_dir):
+            read += host.nbytes
+            copies[key] = host.to(device, choices)
+    out = ExpertCopies(copies, dict(wanted), spec)
+    out.kernels = kernels
+    return out, read
+
+
+def _kernel_choices(spec, mode: str, device) -> dict[Shape, object]:
+    shapes = {kernel_shape(BITS[mode], out, inp) for out, inp in ((spec.in_rows, spec.hidden),
+                                                                  (spec.hidden, spec.inter))} - {None}
+    return choose(sorted(shapes, key=lambda s: s.key), device)
+
+
+def _read_rows(ckpt: Checkpoint, mode: str, keys: list[Key], cache_dir: Path | None):
+    """(key, that expert's copy in the stored format) for each key, from the mode's cache
+    file (built first when missing), one expert's rows at a time."""
+    spec, bits = ckpt.config.expert, BITS[mode]
+    if cache_dir is None:  # no cache: quantize the whole mode once, keep only what is wanted
+        q = load_quantized(ckpt, mode, None)
+        for key in keys:
+            yield key, q.layers[key[0]].select(key[1])
+        return
+    path = cache_path(ckpt, mode, cache_dir)
+    if not path.is_file():
+        load_quantized(ckpt, mode, cache_dir)  # builds and saves the file (and frees the copies)
+    reader = SafetensorsReader(path)
+    for layer, e in keys:
+        def matrix(part: str, in_features: int) -> QuantizedMatrix:
+            return QuantizedMatrix(reader.read(f"{layer}.{part}.data", e), reader.read(f"{layer}.{part}.scales", e),
+                                   bits, in_features)
+        biases = [reader.read(f"{layer}.{b}", e) if f"{layer}.{b}" in reader.entries else None
+                  for b in ("b_in", "b_out")]
+        yield (layer, e), QuantizedExpert(matrix("gate_up", spec.hidden), matrix("down", spec.inter), *biases)

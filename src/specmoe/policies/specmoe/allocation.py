@@ -1,0 +1,182 @@
+"""What the draft holds under a memory budget, expert by expert (`--draft-memory`).
+
+Each expert of a drafting block can be held for the draft in one of several ways, each
+with its device bytes and how far the draft's output then is from the model's (measured
+per block: draft_quality.py):
+
+- `full`: the expert itself, pinned in the device pool (the paper's draft experts);
+- `int8` .. `int2`: a quantized copy;
+- `substitute`: nothing; a pick of it runs the nearest held expert instead (0 bytes).
+
+The draft's expected error is the sum, over blocks and experts, of how often the expert
+is picked (its share of the block's picks) times the error of the way it is held. Which
+way minimizes it within the budget is a multiple-choice knapsack; `allocate` solves its
+relaxation greedily (each expert's choices on their lower convex hull of bytes against
+error, upgrades taken most error saved per byte first), which is within one upgrade of
+the optimum. Full-precision experts come first, as a count per block (`choose_full`):
+they are pool slots, sized when the engine starts, and the paper's refresh keeps the
+hottest there; the copies are chosen for the rest.
+
+Plain Python: no tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+FULL, SUBSTITUTE = "full", "substitute"
+# A prior share of picks every expert gets (as if each had been picked once more than
+# counted): routing counted over a few prompts misses experts that are picked later.
+PRIOR_PICKS = 1.0
+
+Key = tuple[int, int]
+_ORDER = itertools.count()  # ties in the heap: first pushed first
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """How the draft holds each expert, and the bytes and expected error that costs."""
+
+    held: dict[Key, str]  # (layer, expert) -> full | int8 | ... | substitute
+    nbytes: int
+    error: float  # sum over blocks of the picks' expected relative error (0: the model's own experts)
+    full_per_block: int = 0
+
+    def count(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for how in self.held.values():
+            out[how] = out.get(how, 0) + 1
+        return dict(sorted(out.items()))
+
+    def copies(self) -> dict[Key, str]:
+        """The quantized copies to load: every expert held neither in full nor substituted."""
+        return {k: how for k, how in self.held.items() if how not in (FULL, SUBSTITUTE)}
+
+    def covered(self, layer: int) -> list[int]:
+        """The experts of `layer` the draft can compute without substituting."""
+        return sorted(e for (l, e), how in self.held.items() if l == layer and how != SUBSTITUTE)
+
+
+@dataclass
+class Options:
+    """The ways an expert may be held: their device bytes per expert, and each block's
+    measured relative error (`errors[layer][how]`; `full` is 0)."""
+
+    nbytes: dict[str, int]
+    errors: dict[int, dict[str, float]]
+    allowed: tuple[str, ...] = field(default=())  # default: every key of nbytes
+
+    def ways(self) -> list[str]:
+        return [w for w in (self.allowed or tuple(self.nbytes)) if w in self.nbytes]
+
+
+def pick_shares(counts: dict[int, list[float]]) -> dict[int, list[float]]:
+    """Each expert's share of its block's picks, with PRIOR_PICKS added to every count."""
+    out = {}
+    for layer, row in counts.items():
+        smoothed = [c + PRIOR_PICKS for c in row]
+        total = sum(smoothed)
+        out[layer] = [c / total for c in smoothed]
+    return out
+
+
+def allocate(shares: dict[int, list[float]], options: Options, budget: int,
+             exclude: dict[int, list[int]] | None = None, at_least_one: bool = False) -> Allocation:
+    """The copies that minimize the draft's expected error within `budget` bytes.
+
+    `shares`: layer -> each expert's share of picks; `exclude`: experts held in full
+    already (not given copies). Every other expert starts substituted. `at_least_one`:
+    first, in each block that holds nothing in full, the most picked expert gets its first
+    step up (substitution needs something held to substitute with), where the budget allows."""
+    exclude = exclude or {}
+    held: dict[Key, str] = {}
+    heap: list[tuple[float, int, Key, int]] = []  # (-error saved per byte, tie order, expert, its step)
+    ladders: dict[Key, list[tuple[int, float, str]]] = {}
+    error = 0.0
+    for layer, row in shares.items():
+        sub_error = options.errors[layer][SUBSTITUTE]
+        for e, share in enumerate(row):
+            key = (layer, e)
+            if e in exclude.get(layer, ()):
+                held[key] = FULL
+                continue
+            held[key] = SUBSTITUTE
+            error += share * sub_error
+            ladder = _hull([(options.nbytes[w], share * options.errors[layer][w], w)
+                            for w in options.ways() if w not in (FULL,)] + [(0, share * sub_error, SUBSTITUTE)])
+            ladders[key] = ladder
+            _push_next(heap, key, ladder, 0)
+    spent, position = 0, {k: 0 for k in ladders}
+    if at_least_one:
+        for layer, row in shares.items():
+            if exclude.get(layer):
+                continue
+            key = (layer, min(range(len(row)), key=lambda e: (-row[e], e)))
+            ladder = ladders[key]
+            if len(ladder) > 1 and spent + ladder[1][0] <= budget:
+                spent += ladder[1][0]
+                error -= ladder[0][1] - ladder[1][1]
+                held[key], position[key] = ladder[1][2], 1
+                _push_next(heap, key, ladder, 1)
+    while heap:
+        _, _, key, i = heapq.heappop(heap)
+        ladder = ladders[key]
+        if i != position[key]:
+            continue  # stale: the floor above moved this expert on
+        (b0, e0, _), (b1, e1, how) = ladder[i], ladder[i + 1]
+        if spent + b1 - b0 > budget:
+            continue  # this expert stays where it is; cheaper upgrades of others may still fit
+        spent += b1 - b0
+        error -= e0 - e1
+        held[key] = how
+        position[key] = i + 1
+        _push_next(heap, key, ladder, i + 1)
+    return Allocation(held, spent, max(error, 0.0))
+
+
+def _hull(points: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """The lower convex hull of (bytes, error) from the cheapest point: each step buys
+    less error per byte than the one before, and no point is dominated."""
+    points = sorted(points, key=lambda p: (p[0], p[1]))
+    hull: list[tuple[int, float, str]] = []
+    for p in points:
+        if hull and p[1] >= hull[-1][1]:
+            continue  # more bytes for no less error
+        while len(hull) >= 2 and _slope(hull[-2], hull[-1]) <= _slope(hull[-2], p):
+            hull.pop()  # hull[-1] saves less per byte than going straight to p
+        hull.append(p)
+    return hull
+
+
+def _slope(a, b) -> float:
+    """Error saved per byte going from a to b (b costs more)."""
+    return (a[1] - b[1]) / (b[0] - a[0]) if b[0] > a[0] else float("inf")
+
+
+def _push_next(heap, key: Key, ladder, i: int) -> None:
+    if i + 1 < len(ladder):
+        heapq.heappush(heap, (-_slope(ladder[i], ladder[i + 1]), next(_ORDER), key, i))
+
+
+def choose_full(shares: dict[int, list[float]], options: Options, budget: int, slot_bytes: int,
+                most: int, fewest: int = 0) -> Allocation | None:
+    """The best allocation over every count N of full-precision experts per block
+    (`fewest` to `most`; None if not even `fewest` fit): N x blocks pool slots for the N
+    most picked experts of each block, copies in the rest of the budget. Under shares that
+    are all equal (before any routing is seen) this compares holding experts in full with
+    copies at the same bytes."""
+    best = None
+    blocks = len(shares)
+    allow_full = FULL in options.ways()
+    for n in range(fewest, (most if allow_full else 0) + 1):
+        rest = budget - n * blocks * slot_bytes
+        if rest < 0:
+            break
+        hot = {layer: sorted(range(len(row)), key=lambda e: (-row[e], e))[:n] for layer, row in shares.items()}
+        a = allocate(shares, options, rest, hot, at_least_one=True)
+        a = Allocation(a.held, a.nbytes + n * blocks * slot_bytes, a.error, n)
+        if best is None or a.error < best.error - 1e-12:
+            best = a
+    return best

@@ -1,0 +1,143 @@
+"""The draft within `--draft-memory`: what it may hold, reserved when the engine starts,
+and which experts it holds how, chosen from routing as it is seen.
+
+At start (nothing routed yet): the budget is reserved, and the count N of full-precision
+draft experts per block is chosen with every expert equally likely (`choose_full`); they
+are pool slots, so N is fixed for the run, and the paper's refresh keeps the N hottest
+there. After every prefill: the errors are measured on that prefill's block inputs the
+first time (draft_quality.py; then cached per model), and the copies are chosen again from
+every pick counted so far (`allocate`) and loaded where they changed: a copy kept in its
+precision is not read again. Bytes read for that are counted (`reload_bytes`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...base.config import budget_share
+from ...base.errors import SpecMoEError
+from ...base.units import format_bytes
+from ...experts.draft_copies import ExpertCopies, load_copies
+from ...experts.quant import BITS, draft_copy_bytes
+from .allocation import FULL, SUBSTITUTE, Allocation, Options, allocate, choose_full, pick_shares
+from .draft_quality import SAMPLE_ROWS, cached_errors, default_errors, measure_errors, save_errors
+
+QUANTIZED = ("int8", "int4", "int3", "int2")
+
+
+def draft_ways(draft_quant: str, expert_quant) -> tuple[str, ...]:
+    """How experts may be held: auto, every way (copies with fewer bits than the experts
+    themselves); none, the paper's full-precision draft experts; a mode, that mode alone."""
+    bits = expert_quant.w_in.bits if expert_quant is not None else 16
+    if draft_quant == "auto":
+        return (FULL, *(m for m in QUANTIZED if BITS[m] < bits))
+    if draft_quant == "none":
+        return (FULL,)
+    return (draft_quant,)
+
+
+def draft_memory_bytes(value, budget_limit: int | None) -> int:
+    """--draft-memory in bytes: as given, or its share of the device budget."""
+    share = budget_share(value, "draft_memory")
+    if share is None:
+        return int(value)
+    if budget_limit is None:
+        raise SpecMoEError(f"--draft-memory {value} is a share of the device budget, and there is none: give "
+                           "--device-memory too, or --draft-memory as a size (e.g. 400MiB)")
+    return int(share * budget_limit)
+
+
+class DraftMemory:
+    """The draft's bytes and what they hold; the policy asks it after prefills."""
+
+    def __init__(self, runtime, cache: Path, draft_experts: int | None):
+        opts, c = runtime.options, runtime.config
+        self.runtime, self.cache = runtime, cache
+        self.limit = draft_memory_bytes(opts.draft_memory, runtime.budget.limit)
+        ways = draft_ways(opts.draft_quant, c.expert_quant)
+        nbytes, scratch = {FULL: runtime.slot_bytes}, 0
+        for mode in ways:
+            if mode != FULL:
+                nbytes[mode], s = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
+                scratch = max(scratch, s)  # what a portable copy dequantizes into while it runs
+        self.layers = list(c.draft_layer_ids)
+        errors = cached_errors(runtime.checkpoint, cache, ways)
+        self.measured = errors is not None
+        self.options = Options(nbytes, errors or default_errors(self.layers), ways)
+        self.scratch = scratch
+        uniform = pick_shares({layer: [0] * c.num_experts for layer in self.layers})
+        most = c.num_experts - 1 if opts.draft_quant == "none" else c.num_experts // 4
+        fewest = 1 if opts.draft_quant == "none" else 0
+        plan = None
+        for n in ([draft_experts] if draft_experts is not None else range(fewest, most + 1)):
+            candidate = _with_full(uniform, self.options, self.limit - scratch, runtime.slot_bytes, n)
+            if candidate is not None and (plan is None or candidate.error < plan.error - 1e-12):
+                plan = candidate
+        if plan is None or not _every_block_covered(plan, self.layers):
+            raise SpecMoEError(self._too_small(c, opts.draft_quant, fewest))
+        self.full_per_block = plan.full_per_block
+        self.copy_budget = self.limit - scratch - self.full_per_block * len(self.layers) * runtime.slot_bytes
+        runtime.budget.reserve("draft copies", self.copy_budget,
+                               hint=f" (--draft-memory {format_bytes(self.limit)} less its full-precision experts)")
+        if scratch:
+            runtime.budget.reserve("quantized draft scratch", scratch)
+        self.allocation: Allocation | None = None
+        self.copies: ExpertCopies | None = None
+        self.reload_bytes = 0
+        self.picks = torch.zeros(c.num_layers, c.num_experts, dtype=torch.long)
+        self.samples: dict[int, torch.Tensor] = {}
+
+    def _too_small(self, c, draft_quant: str, fewest: int) -> str:
+        cheapest = min(self.options.nbytes[w] for w in self.options.ways())
+        need = max(fewest * self.runtime.slot_bytes, cheapest) * len(self.layers) + self.scratch
+        what = "one full-precision expert" if draft_quant == "none" else "one copy of an expert"
+        return (f"--draft-memory {format_bytes(self.limit)} holds less than {what} per block ({len(self.layers)} "
+                f"blocks); raise it to at least {format_bytes(need)}" +
+                ("" if draft_quant in ("auto", "int2") else " or allow lower-bit copies (--draft-quant auto)"))
+
+    # --- what the engine routes ---------------------------------------------------------
+
+    def record(self, layer: int, x: torch.Tensor, ids: torch.Tensor, prefill: bool) -> None:
+        """Count the picks of a full-model block; keep a prefill's first inputs for measuring."""
+        self.picks[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.picks.shape[1])
+        if prefill and not self.measured and layer in self.layers and layer not in self.samples:
+            self.samples[layer] = x[:SAMPLE_ROWS].detach().float().cpu().clone()
+
+    def reallocate(self, full: dict[int, list[int]], affinity) -> ExpertCopies:
+        """Copies for the experts not held in full, from every pick so far; loads what changed."""
+        ckpt = self.runtime.checkpoint
+        counts = {layer: self.picks[layer].tolist() for layer in self.layers}
+        if not self.measured and set(self.samples) == set(self.layers):
+            modes = [w for w in self.options.ways() if w != FULL]
+            table = measure_errors(ckpt, self.samples, counts, affinity, modes)
+            save_errors(ckpt, self.cache, table)
+            self.options = Options(self.options.nbytes, table, self.options.allowed)
+            self.measured, self.samples = True, {}
+        allocation = allocate(pick_shares(counts), self.options, self.copy_budget, full, at_least_one=True)
+        self.copies, read = load_copies(ckpt, allocation.copies(), self.cache, self.runtime.device, self.copies)
+        self.allocation, self.reload_bytes = allocation, self.reload_bytes + read
+        if self.copies.nbytes > self.copy_budget:
+            raise RuntimeError(f"internal: draft copies of {self.copies.nbytes} bytes exceed their "
+                               f"{self.copy_budget} reserved")
+        return self.copies
+
+    def stats(self) -> dict:
+        held = self.allocation.count() if self.allocation else {}
+        return {"draft_memory": self.limit, "draft_held": held, "draft_copies_bytes": self.copies.nbytes if self.copies else 0,
+                "draft_reload_bytes": self.reload_bytes,
+                "draft_expected_error": self.allocation.error if self.allocation else None,
+                "draft_errors_measured": self.measured}
+
+
+def _with_full(shares, options: Options, budget: int, slot_bytes: int, n: int) -> Allocation | None:
+    """The allocation with n full-precision experts per block, or None if they do not fit."""
+    if n and FULL not in options.ways():
+        return None
+    a = choose_full(shares, options, budget, slot_bytes, n, fewest=n)
+    return a if a is not None and a.full_per_block == n else None
+
+
+def _every_block_covered(plan: Allocation, layers) -> bool:
+    return all(plan.covered(layer) for layer in layers)

@@ -1,0 +1,96 @@
+"""How far each way of holding an expert for the draft puts the draft's output from the
+model's, per MoE block: what the allocation (allocation.py) trades against bytes.
+
+Measured on the block's real inputs (the hidden states a prefill routed into it): for
+the block's most picked experts, the relative L2 error ||y' - y|| / ||y|| of the expert's
+output y when it is replaced by its quantized copy (each mode) or by its nearest other
+expert (substitution, by the affinity table). Averaged over those experts: one figure
+per block and way. Cached next to the quantized copies, keyed by the checkpoint, so it
+is measured once per model.
+
+Before anything is measured, `DEFAULT_ERRORS` stands in (measured this way on the bundled
+demo model, rounded up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ...base.checkpoint import Checkpoint
+from ...base.files import keep
+from ...experts.quant import BITS, quantize_expert, quantized_expert_forward
+from ...model.moe import run_expert
+from .allocation import FULL, SUBSTITUTE
+
+DEFAULT_ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int3": 0.25, "int2": 0.45, SUBSTITUTE: 1.3}
+SAMPLED_EXPERTS = 2  # per block: the most picked (what the error weighs most)
+SAMPLE_ROWS = 64  # block inputs kept per block from a prefill
+
+
+def default_errors(layers) -> dict[int, dict[str, float]]:
+    return {layer: dict(DEFAULT_ERRORS) for layer in layers}
+
+
+def errors_path(ckpt: Checkpoint, cache_dir: Path) -> Path:
+    return Path(cache_dir) / f"draft-errors-{ckpt.fingerprint()}.json"
+
+
+def cached_errors(ckpt: Checkpoint, cache_dir: Path | None, ways) -> dict[int, dict[str, float]] | None:
+    """The cached table when it covers every drafting block and way, else None."""
+    if cache_dir is None or not errors_path(ckpt, cache_dir).is_file():
+        return None
+    try:
+        raw = json.loads(errors_path(ckpt, cache_dir).read_text())
+        table = {int(layer): {w: float(v) for w, v in row.items()} for layer, row in raw.items()}
+    except (ValueError, AttributeError, TypeError):
+        return None  # damaged: measured again
+    whole = set(table) == set(ckpt.config.draft_layer_ids) and all(
+        set(ways) <= set(row) and all(0 <= v < 100 for v in row.values()) for row in table.values())
+    return table if whole else None
+
+
+@torch.no_grad()
+def measure_errors(ckpt: Checkpoint, samples: dict[int, torch.Tensor], counts: dict[int, list[int]],
+                   affinity: dict[int, torch.Tensor] | None, modes) -> dict[int, dict[str, float]]:
+    """Per block in `samples` (its inputs [T, D]): the relative output error of each
+    quantized `mode` and of substitution, for its SAMPLED_EXPERTS most picked experts."""
+    spec = ckpt.config.expert
+    table = {}
+    for layer, x in samples.items():
+        x = x.float()
+        row = counts[layer]
+        experts = sorted(range(len(row)), key=lambda e: (-row[e], e))[:SAMPLED_EXPERTS]
+        sums = {w: 0.0 for w in (*modes, SUBSTITUTE)}
+        for e in experts:
+            buf = ckpt.expert_buffer(layer, e, torch.float32)
+            y = run_expert(buf, x, spec)
+            for mode in modes:
+                y_q = quantized_expert_forward(x, quantize_expert(buf, spec, BITS[mode]), spec)
+                sums[mode] += _relative(y_q, y)
+            other = _nearest(affinity[layer] if affinity is not None else None, e, len(row))
+            sums[SUBSTITUTE] += _relative(run_expert(ckpt.expert_buffer(layer, other, torch.float32), x, spec), y)
+        table[layer] = {FULL: 0.0, **{w: v / len(experts) for w, v in sums.items()}}
+    return table
+
+
+def save_errors(ckpt: Checkpoint, cache_dir: Path | None, table: dict[int, dict[str, float]]) -> None:
+    if cache_dir is None:
+        return
+    text = json.dumps({str(layer): row for layer, row in sorted(table.items())}, indent=1)
+    keep(errors_path(ckpt, cache_dir), lambda tmp: Path(tmp).write_text(text), "the draft's measured errors")
+
+
+def _relative(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((approx - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+def _nearest(distances: torch.Tensor | None, e: int, num_experts: int) -> int:
+    """The expert substitution would run for `e` if `e` were not held: its nearest other."""
+    if distances is None:
+        return (e + 1) % num_experts
+    d = distances[e].clone()
+    d[e] = float("inf")
+    return int(torch.argmin(d))
