@@ -128,28 +128,26 @@ class EngineConfig:
 
 def expert_share(device_memory) -> float | None:
     """'30%' -> 0.3 (a budget relative to the model's expert bytes); None for absolute sizes."""
-    if isinstance(device_memory, str) and device_memory.strip().endswith("%"):
-        try:
-            share = float(device_memory.strip()[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 <= share <= 1:
-            raise SpecMoEError(f"device_memory {device_memory!r}: a share of the expert bytes must be 0%..100%")
-        return share
-    return None
+    return _share(device_memory, f"device_memory {device_memory!r}: a share of the expert bytes must be 0%..100%")
 
 
 def budget_share(value, name: str) -> float | None:
     """'20%' -> 0.2 (a share of the device budget); None for absolute sizes."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            share = float(value.strip()[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 1:
-            raise SpecMoEError(f"{name} {value!r}: a share of the device budget must be above 0% and at most 100%")
-        return share
-    return None
+    return _share(value, f"{name} {value!r}: a share of the device budget must be above 0% and at most 100%",
+                  zero=False)
+
+
+def _share(value, error: str, zero: bool = True) -> float | None:
+    """A 'N%' string as a fraction (an error outside 0..1, or at 0 unless `zero`); None for anything else."""
+    if not (isinstance(value, str) and value.strip().endswith("%")):
+        return None
+    try:
+        share = float(value.strip()[:-1]) / 100
+    except ValueError:
+        share = -1.0
+    if not (0 <= share <= 1 and (zero or share > 0)):
+        raise SpecMoEError(error)
+    return share
 
 
 def _choice(name: str, value, allowed: tuple[str, ...]) -> None:

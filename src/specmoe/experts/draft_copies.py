@@ -16,8 +16,15 @@ import torch
 
 from ..base.checkpoint import Checkpoint
 from ..base.safetensors_stream import SafetensorsReader
-from .kernels import Shape, choose
-from .quant import BITS, Int4KernelMatrix, Int8KernelMatrix, QuantizedExpert, QuantizedExperts, QuantizedMatrix, kernel_shape
+from .quant import (
+    BITS,
+    Int4KernelMatrix,
+    Int8KernelMatrix,
+    QuantizedExpert,
+    QuantizedExperts,
+    QuantizedMatrix,
+    draft_kernel_choices,
+)
 from .quant_cache import cache_path, load_quantized
 
 Key = tuple[int, int]
@@ -48,20 +55,6 @@ class ExpertCopies(QuantizedExperts):
     def has(self, layer: int, e: int) -> bool:
         return (layer, e) in self._experts
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the copies hold (what a test measures their bytes by)."""
-        out = []
-        for q in self._experts.values():
-            for m in (q.gate_up, q.down):
-                out += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
-            out += [b for b in (q.b_in, q.b_out) if b is not None]
-        return out
-
-    def count(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for mode in self.modes.values():
-            out[mode] = out.get(mode, 0) + 1
-        return dict(sorted(out.items()))
 
 
 def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None, device,
@@ -78,7 +71,7 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
             by_mode.setdefault(mode, []).append(key)
     kernels = dict(have.kernels) if have is not None else {}
     for mode, keys in by_mode.items():
-        choices = _kernel_choices(spec, mode, device)
+        choices = draft_kernel_choices(spec, mode, device)
         kernels.update({s.key: c.describe() for s, c in choices.items()})
         for key, host in _read_rows(ckpt, mode, keys, cache_dir):
             read += host.nbytes
@@ -86,12 +79,6 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
     out = ExpertCopies(copies, dict(wanted), spec)
     out.kernels = kernels
     return out, read
-
-
-def _kernel_choices(spec, mode: str, device) -> dict[Shape, object]:
-    shapes = {kernel_shape(BITS[mode], out, inp) for out, inp in ((spec.in_rows, spec.hidden),
-                                                                  (spec.hidden, spec.inter))} - {None}
-    return choose(sorted(shapes, key=lambda s: s.key), device)
 
 
 def _read_rows(ckpt: Checkpoint, mode: str, keys: list[Key], cache_dir: Path | None):

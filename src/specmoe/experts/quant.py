@@ -66,11 +66,12 @@ SCALE_DTYPE = torch.float16
 FORMAT_VERSION = 2  # part of the cache file name: bump when the layout changes (2: int8 per row)
 
 
-def draft_modes(expert_quant) -> tuple[str, ...]:
-    """The copies `--draft-quant auto` may take, most precise first: those with fewer bits
-    than the experts themselves (an int8 copy of int8 experts would save nothing)."""
+def draft_modes(expert_quant, modes=("int8", "int4")) -> tuple[str, ...]:
+    """The copies of `modes` a draft may take (default: what `--draft-quant auto` tries),
+    most precise first: those with fewer bits than the experts themselves (an int8 copy
+    of int8 experts would save nothing)."""
     bits = expert_quant.w_in.bits if expert_quant is not None else 16
-    return tuple(mode for mode in ("int8", "int4") if BITS[mode] < bits)
+    return tuple(mode for mode in modes if BITS[mode] < bits)
 
 
 def check_mode(mode: str) -> None:

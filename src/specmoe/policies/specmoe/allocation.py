@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 FULL, SUBSTITUTE = "full", "substitute"
@@ -45,10 +46,7 @@ class Allocation:
     full_per_block: int = 0
 
     def count(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for how in self.held.values():
-            out[how] = out.get(how, 0) + 1
-        return dict(sorted(out.items()))
+        return dict(sorted(Counter(self.held.values()).items()))
 
     def copies(self) -> dict[Key, str]:
         """The quantized copies to load: every expert held neither in full nor substituted."""

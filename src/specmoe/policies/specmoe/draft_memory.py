@@ -20,19 +20,15 @@ from ...base.config import budget_share
 from ...base.errors import SpecMoEError
 from ...base.units import format_bytes
 from ...experts.draft_copies import ExpertCopies, load_copies
-from ...experts.quant import BITS, draft_copy_bytes
-from .allocation import FULL, SUBSTITUTE, Allocation, Options, allocate, choose_full, pick_shares
+from ...experts.quant import BITS, draft_copy_bytes, draft_modes
+from .allocation import FULL, Allocation, Options, allocate, choose_full, pick_shares
 from .draft_quality import SAMPLE_ROWS, cached_errors, default_errors, measure_errors, save_errors
-
-QUANTIZED = ("int8", "int4", "int3", "int2")
-
 
 def draft_ways(draft_quant: str, expert_quant) -> tuple[str, ...]:
     """How experts may be held: auto, every way (copies with fewer bits than the experts
     themselves); none, the paper's full-precision draft experts; a mode, that mode alone."""
-    bits = expert_quant.w_in.bits if expert_quant is not None else 16
     if draft_quant == "auto":
-        return (FULL, *(m for m in QUANTIZED if BITS[m] < bits))
+        return (FULL, *draft_modes(expert_quant, tuple(BITS)))
     if draft_quant == "none":
         return (FULL,)
     return (draft_quant,)
@@ -86,7 +82,6 @@ class DraftMemory:
         self.allocation: Allocation | None = None
         self.copies: ExpertCopies | None = None
         self.reload_bytes = 0
-        self.picks = torch.zeros(c.num_layers, c.num_experts, dtype=torch.long)
         self.samples: dict[int, torch.Tensor] = {}
 
     def _too_small(self, c, draft_quant: str, fewest: int) -> str:
@@ -99,16 +94,16 @@ class DraftMemory:
 
     # --- what the engine routes ---------------------------------------------------------
 
-    def record(self, layer: int, x: torch.Tensor, ids: torch.Tensor, prefill: bool) -> None:
-        """Count the picks of a full-model block; keep a prefill's first inputs for measuring."""
-        self.picks[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.picks.shape[1])
-        if prefill and not self.measured and layer in self.layers and layer not in self.samples:
+    def record(self, layer: int, x: torch.Tensor) -> None:
+        """Keep a prefill block's first inputs, until the errors are measured."""
+        if not self.measured and layer in self.layers and layer not in self.samples:
             self.samples[layer] = x[:SAMPLE_ROWS].detach().float().cpu().clone()
 
-    def reallocate(self, full: dict[int, list[int]], affinity) -> ExpertCopies:
-        """Copies for the experts not held in full, from every pick so far; loads what changed."""
+    def reallocate(self, picks: torch.Tensor, full: dict[int, list[int]], affinity) -> ExpertCopies:
+        """Copies for the experts not held in full, from every pick so far (`picks` [layers,
+        E]); loads what changed."""
         ckpt = self.runtime.checkpoint
-        counts = {layer: self.picks[layer].tolist() for layer in self.layers}
+        counts = {layer: picks[layer].tolist() for layer in self.layers}
         if not self.measured and set(self.samples) == set(self.layers):
             modes = [w for w in self.options.ways() if w != FULL]
             table = measure_errors(ckpt, self.samples, counts, affinity, modes)

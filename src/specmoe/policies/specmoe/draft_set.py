@@ -9,13 +9,17 @@ import torch
 
 
 class HotnessCounter:
-    """Selections per expert per block, accumulated over a window (a verify pass)."""
+    """Selections per expert per block, accumulated over a window (a verify pass), and
+    over the whole run (`totals`: what --draft-memory's allocation weighs experts by)."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
+        self.totals = torch.zeros_like(self.counts)
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
-        self.counts[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=self.counts.shape[1])
+        picks = torch.bincount(ids.reshape(-1).cpu(), minlength=self.counts.shape[1])
+        self.counts[layer] += picks
+        self.totals[layer] += picks
 
     def hottest(self, layer: int, n: int, tie_break: list[int] | None = None) -> list[int]:
         """The n most selected experts of `layer`; ties go to `tie_break`'s order (the

@@ -191,8 +191,8 @@ class SpecMoEPolicy(OffloadPolicy):
             self.prefetch_predicted += len(predicted)
             self.prefetch_needed += len(needed)
         self.hotness.add(layer, routing.ids)
-        if self.memory is not None:
-            self.memory.record(layer, x, routing.ids, prefill=self.pass_kind == "prefill")
+        if self.memory is not None and self.pass_kind == "prefill":
+            self.memory.record(layer, x)
         return super().run_moe(layer, x, routing)
 
     # --- the draft set ---------------------------------------------------------------------
@@ -225,7 +225,7 @@ class SpecMoEPolicy(OffloadPolicy):
         self.draft = new
         if self.memory is not None:
             if reallocate or self.quantized is None:
-                self.quantized = self.memory.reallocate(new, self.affinity)
+                self.quantized = self.memory.reallocate(self.hotness.totals, new, self.affinity)
             for layer, experts in new.items():  # a pick neither held in full nor copied: the nearest that is
                 self.substitute[layer] = self._substitution(layer, sorted(set(experts) | set(self._copied(layer))))
 
