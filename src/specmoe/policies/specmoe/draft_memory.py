@@ -22,7 +22,7 @@ from ...base.units import format_bytes
 from ...experts.draft_copies import ExpertCopies, load_copies
 from ...experts.quant import BITS, draft_copy_bytes, draft_modes
 from .allocation import FULL, Allocation, Options, allocate, choose_full, pick_shares
-from .draft_quality import SAMPLE_ROWS, cached_errors, default_errors, measure_errors, save_errors
+from .draft_quality import cached_errors, default_errors, mean_errors, measure_block, save_errors
 
 def draft_ways(draft_quant: str, expert_quant) -> tuple[str, ...]:
     """How experts may be held: auto, every way (copies with fewer bits than the experts
@@ -61,7 +61,8 @@ class DraftMemory:
         self.layers = list(c.draft_layer_ids)
         errors = cached_errors(runtime.checkpoint, cache, ways)
         self.measured = errors is not None
-        self.options = Options(nbytes, errors or default_errors(self.layers), ways)
+        self.errors = errors or default_errors(self.layers)  # per block, as measured
+        self.options = Options(nbytes, mean_errors(self.errors), ways)
         self.scratch = scratch
         uniform = pick_shares({layer: [0] * c.num_experts for layer in self.layers})
         most = c.num_experts - 1 if opts.draft_quant == "none" else c.num_experts // 4
@@ -69,7 +70,7 @@ class DraftMemory:
         plan = None
         for n in ([draft_experts] if draft_experts is not None else range(fewest, most + 1)):
             candidate = _with_full(uniform, self.options, self.limit - scratch, runtime.slot_bytes, n)
-            if candidate is not None and (plan is None or candidate.error < plan.error - 1e-12):
+            if candidate is not None and (plan is None or candidate.cost < plan.cost - 1e-12):
                 plan = candidate
         if plan is None or not _every_block_covered(plan, self.layers):
             raise SpecMoEError(self._too_small(c, opts.draft_quant, fewest))
@@ -82,7 +83,7 @@ class DraftMemory:
         self.allocation: Allocation | None = None
         self.copies: ExpertCopies | None = None
         self.reload_bytes = 0
-        self.samples: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, dict[str, float]] = {}  # measured errors, block by block
 
     def _too_small(self, c, draft_quant: str, fewest: int) -> str:
         cheapest = min(self.options.nbytes[w] for w in self.options.ways())
@@ -94,22 +95,23 @@ class DraftMemory:
 
     # --- what the engine routes ---------------------------------------------------------
 
-    def record(self, layer: int, x: torch.Tensor) -> None:
-        """Keep a prefill block's first inputs, until the errors are measured."""
-        if not self.measured and layer in self.layers and layer not in self.samples:
-            self.samples[layer] = x[:SAMPLE_ROWS].detach().float().cpu().clone()
+    def record(self, layer: int, x: torch.Tensor, counts: list[int], distances: torch.Tensor | None) -> None:
+        """Until the errors are measured: measure a prefill block's row on its inputs, there
+        and then (nothing is kept: on the CPU, kept inputs would be device bytes)."""
+        if not self.measured and layer in self.layers and layer not in self.rows:
+            modes = [w for w in self.options.ways() if w != FULL]
+            self.rows[layer] = measure_block(self.runtime.checkpoint, layer, x, counts, distances, modes)
 
-    def reallocate(self, picks: torch.Tensor, full: dict[int, list[int]], affinity) -> ExpertCopies:
+    def reallocate(self, picks: torch.Tensor, full: dict[int, list[int]]) -> ExpertCopies:
         """Copies for the experts not held in full, from every pick so far (`picks` [layers,
         E]); loads what changed."""
         ckpt = self.runtime.checkpoint
         counts = {layer: picks[layer].tolist() for layer in self.layers}
-        if not self.measured and set(self.samples) == set(self.layers):
-            modes = [w for w in self.options.ways() if w != FULL]
-            table = measure_errors(ckpt, self.samples, counts, affinity, modes)
-            save_errors(ckpt, self.cache, table)
-            self.options = Options(self.options.nbytes, table, self.options.allowed)
-            self.measured, self.samples = True, {}
+        if not self.measured and set(self.rows) == set(self.layers):
+            save_errors(ckpt, self.cache, self.rows)
+            self.errors = self.rows
+            self.options = Options(self.options.nbytes, mean_errors(self.rows), self.options.allowed)
+            self.measured, self.rows = True, {}
         allocation = allocate(pick_shares(counts), self.options, self.copy_budget, full, at_least_one=True)
         self.copies, read = load_copies(ckpt, allocation.copies(), self.cache, self.runtime.device, self.copies)
         self.allocation, self.reload_bytes = allocation, self.reload_bytes + read
@@ -122,7 +124,7 @@ class DraftMemory:
         held = self.allocation.count() if self.allocation else {}
         return {"draft_memory": self.limit, "draft_held": held, "draft_copies_bytes": self.copies.nbytes if self.copies else 0,
                 "draft_reload_bytes": self.reload_bytes,
-                "draft_expected_error": self.allocation.error if self.allocation else None,
+                "draft_expected_cost": self.allocation.cost if self.allocation else None,
                 "draft_errors_measured": self.measured}
 
 

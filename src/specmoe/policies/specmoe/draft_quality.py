@@ -27,11 +27,17 @@ from .allocation import FULL, SUBSTITUTE
 
 DEFAULT_ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int3": 0.25, "int2": 0.45, SUBSTITUTE: 1.3}
 SAMPLED_EXPERTS = 2  # per block: the most picked (what the error weighs most)
-SAMPLE_ROWS = 64  # block inputs kept per block from a prefill
+SAMPLE_ROWS = 64  # a prefill's block inputs measured on, per block
 
 
 def default_errors(layers) -> dict[int, dict[str, float]]:
     return {layer: dict(DEFAULT_ERRORS) for layer in layers}
+
+
+def mean_errors(table: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Each way's error averaged over the blocks (what the allocation weighs)."""
+    ways = set.intersection(*(set(row) for row in table.values()))
+    return {w: sum(row[w] for row in table.values()) / len(table) for w in sorted(ways)}
 
 
 def errors_path(ckpt: Checkpoint, cache_dir: Path) -> Path:
@@ -53,27 +59,24 @@ def cached_errors(ckpt: Checkpoint, cache_dir: Path | None, ways) -> dict[int, d
 
 
 @torch.no_grad()
-def measure_errors(ckpt: Checkpoint, samples: dict[int, torch.Tensor], counts: dict[int, list[int]],
-                   affinity: dict[int, torch.Tensor] | None, modes) -> dict[int, dict[str, float]]:
-    """Per block in `samples` (its inputs [T, D]): the relative output error of each
-    quantized `mode` and of substitution, for its SAMPLED_EXPERTS most picked experts."""
+def measure_block(ckpt: Checkpoint, layer: int, x: torch.Tensor, counts: list[int],
+                  distances: torch.Tensor | None, modes) -> dict[str, float]:
+    """One block's row of the table, from its inputs `x` [T, D] (the first SAMPLE_ROWS are
+    used): the relative output error of each quantized `mode` and of substitution, averaged
+    over its SAMPLED_EXPERTS most picked experts (`counts`: picks per expert)."""
     spec = ckpt.config.expert
-    table = {}
-    for layer, x in samples.items():
-        x = x.float()
-        row = counts[layer]
-        experts = sorted(range(len(row)), key=lambda e: (-row[e], e))[:SAMPLED_EXPERTS]
-        sums = {w: 0.0 for w in (*modes, SUBSTITUTE)}
-        for e in experts:
-            buf = ckpt.expert_buffer(layer, e, torch.float32)
-            y = run_expert(buf, x, spec)
-            for mode in modes:
-                y_q = quantized_expert_forward(x, quantize_expert(buf, spec, BITS[mode]), spec)
-                sums[mode] += _relative(y_q, y)
-            other = _nearest(affinity[layer] if affinity is not None else None, e, len(row))
-            sums[SUBSTITUTE] += _relative(run_expert(ckpt.expert_buffer(layer, other, torch.float32), x, spec), y)
-        table[layer] = {FULL: 0.0, **{w: v / len(experts) for w, v in sums.items()}}
-    return table
+    x = x[:SAMPLE_ROWS].float()
+    experts = sorted(range(len(counts)), key=lambda e: (-counts[e], e))[:SAMPLED_EXPERTS]
+    sums = {w: 0.0 for w in (*modes, SUBSTITUTE)}
+    for e in experts:
+        buf = ckpt.expert_buffer(layer, e, torch.float32)
+        y = run_expert(buf, x, spec)
+        for mode in modes:
+            y_q = quantized_expert_forward(x, quantize_expert(buf, spec, BITS[mode]), spec)
+            sums[mode] += _relative(y_q, y)
+        other = _nearest(distances, e, len(counts))
+        sums[SUBSTITUTE] += _relative(run_expert(ckpt.expert_buffer(layer, other, torch.float32), x, spec), y)
+    return {FULL: 0.0, **{w: v / len(experts) for w, v in sums.items()}}
 
 
 def save_errors(ckpt: Checkpoint, cache_dir: Path | None, table: dict[int, dict[str, float]]) -> None:

@@ -21,10 +21,11 @@ class HotnessCounter:
         self.counts[layer] += picks
         self.totals[layer] += picks
 
-    def hottest(self, layer: int, n: int, tie_break: list[int] | None = None) -> list[int]:
-        """The n most selected experts of `layer`; ties go to `tie_break`'s order (the
-        current draft set first, so that a refresh moves as little as possible)."""
-        counts = self.counts[layer].tolist()
+    def hottest(self, layer: int, n: int, tie_break: list[int] | None = None, whole_run: bool = False) -> list[int]:
+        """The n most selected experts of `layer` in the window (or the whole run); ties go
+        to `tie_break`'s order (the current draft set first, so that a refresh moves as
+        little as possible)."""
+        counts = (self.totals if whole_run else self.counts)[layer].tolist()
         preferred = {e: i for i, e in enumerate(tie_break or [])}
         order = sorted(range(len(counts)), key=lambda e: (-counts[e], preferred.get(e, len(counts)), e))
         return sorted(order[:n])

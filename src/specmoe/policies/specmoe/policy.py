@@ -171,7 +171,7 @@ class SpecMoEPolicy(OffloadPolicy):
             raise RuntimeError("internal: a draft pass fetched experts; drafting must move no expert bytes")
         if kind == "verify":
             self.predicted = {}
-            if self.runtime.options.draft_set == "temporal-hot":
+            if self.runtime.options.draft_set == "temporal-hot" and not self._holds_copies():
                 self.refresh()
 
     def _prefetch_predicted(self) -> None:
@@ -192,13 +192,20 @@ class SpecMoEPolicy(OffloadPolicy):
             self.prefetch_needed += len(needed)
         self.hotness.add(layer, routing.ids)
         if self.memory is not None and self.pass_kind == "prefill":
-            self.memory.record(layer, x)
+            self.memory.record(layer, x, self.hotness.totals[layer].tolist(),
+                               self.affinity[layer] if self.affinity is not None else None)
         return super().run_moe(layer, x, routing)
 
     # --- the draft set ---------------------------------------------------------------------
 
     def draft_sets(self) -> dict[int, list[int]]:
         return self.draft
+
+    def _holds_copies(self) -> bool:
+        """Under --draft-memory with copies, the full-precision draft experts stay those the
+        copies were chosen around (refreshed after each prefill): an expert the verify
+        refresh moved out of the full set would have no copy, and be substituted."""
+        return self.memory is not None and self.quantized is not None and bool(self.quantized.modes)
 
     def refresh(self, reallocate: bool = False) -> None:
         """Make the N hottest experts of each block (or the configured choice) the draft set;
@@ -210,7 +217,7 @@ class SpecMoEPolicy(OffloadPolicy):
             if opts.draft_set == "random" or (self.draft and opts.draft_set == "global-hot"):
                 new[layer] = self.draft.get(layer) or random_draft_set(c.num_experts, n, self.rng)
             else:
-                new[layer] = self.hotness.hottest(layer, n, tie_break=self.draft.get(layer))
+                new[layer] = self.hotness.hottest(layer, n, tie_break=self.draft.get(layer), whole_run=reallocate)
         for layer, experts in self.draft.items():
             for e in experts:
                 table.unpin((layer, e))
@@ -225,7 +232,7 @@ class SpecMoEPolicy(OffloadPolicy):
         self.draft = new
         if self.memory is not None:
             if reallocate or self.quantized is None:
-                self.quantized = self.memory.reallocate(self.hotness.totals, new, self.affinity)
+                self.quantized = self.memory.reallocate(self.hotness.totals, new)
             for layer, experts in new.items():  # a pick neither held in full nor copied: the nearest that is
                 self.substitute[layer] = self._substitution(layer, sorted(set(experts) | set(self._copied(layer))))
 

@@ -1,0 +1,234 @@
+"""The draft under --draft-memory: the allocation (plain Python, against brute force), the
+bytes the draft really holds, the resident model's tokens in every way, and the errors a
+user gets for a draft memory that cannot work."""
+
+import itertools
+
+import pytest
+import torch
+from factories import (
+    BOOKKEEPING_ALLOWANCE,
+    expert_share_budget,
+    random_prompts,
+    watch_device_bytes,
+)
+
+from specmoe import LLM, SamplingParams, SpecMoEError
+from specmoe.base.checkpoint import Checkpoint
+from specmoe.policies.specmoe.allocation import (
+    FULL,
+    SUBSTITUTE,
+    Options,
+    allocate,
+    choose_full,
+    pick_cost,
+    pick_shares,
+)
+from specmoe.policies.specmoe.draft_quality import SAMPLE_ROWS, measure_block
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# bytes per expert and error of each way, shaped like a real expert's (int8 a quarter of
+# float32, int4 an eighth, int2 a sixteenth)
+NBYTES = {FULL: 1600, "int8": 400, "int4": 200, "int2": 100}
+ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int2": 0.45, SUBSTITUTE: 1.2}
+
+
+def cost_of(held: dict, shares: dict) -> float:
+    """The expected cost of an allocation, computed from scratch."""
+    return sum(shares[layer][e] * pick_cost(ERRORS[how]) for (layer, e), how in held.items())
+
+
+def bytes_of(held: dict) -> int:
+    return sum(NBYTES.get(how, 0) for how in held.values() if how not in (FULL, SUBSTITUTE))
+
+
+def brute_force(shares: dict, ways: tuple, budget: int) -> float:
+    """The least cost of any assignment of ways to experts within budget."""
+    keys = [(layer, e) for layer, row in shares.items() for e in range(len(row))]
+    best = float("inf")
+    for choice in itertools.product((*ways, SUBSTITUTE), repeat=len(keys)):
+        held = dict(zip(keys, choice))
+        if bytes_of(held) <= budget:
+            best = min(best, cost_of(held, shares))
+    return best
+
+
+# --- the allocation -------------------------------------------------------------------------
+
+
+def test_pick_cost_grows_with_the_error_and_saturates():
+    costs = [pick_cost(e) for e in (0.0, 0.01, 0.12, 0.45, 1.2, 3.0)]
+    assert costs[0] == 0 and all(a < b for a, b in zip(costs, costs[1:]))
+    assert costs[-1] < 1.0 and costs[-1] - costs[-2] < costs[-2] - costs[-3]  # saturating
+    # a substituted pick costs an order of magnitude more than an int2 one (error ratio 2.7)
+    assert pick_cost(1.2) / pick_cost(0.45) > 8
+
+
+@pytest.mark.parametrize("budget", [0, 150, 300, 450, 700, 1000, 1600])
+def test_allocation_stays_in_budget_and_is_near_the_brute_force_optimum(budget):
+    shares = pick_shares({0: [9, 3, 1], 1: [5, 5, 0]})
+    ways = ("int8", "int4", "int2")
+    a = allocate(shares, Options(NBYTES, ERRORS, ways), budget)
+    assert bytes_of(a.held) == a.nbytes <= budget
+    assert a.cost == pytest.approx(cost_of(a.held, shares))
+    optimum = brute_force(shares, ways, budget)
+    # the greedy is within one upgrade of the optimum (the dearest single upgrade's saving)
+    one_upgrade = max(s for row in shares.values() for s in row) * pick_cost(ERRORS[SUBSTITUTE])
+    assert optimum - 1e-12 <= a.cost <= optimum + one_upgrade
+
+
+def test_the_hotter_expert_gets_the_better_copy():
+    shares = {0: [0.8, 0.2]}
+    a = allocate(shares, Options(NBYTES, ERRORS, ("int8", "int2")), 500)
+    assert a.held == {(0, 0): "int8", (0, 1): "int2"}
+
+
+def test_coverage_comes_before_precision():
+    """Four equally picked experts and the bytes for one int8 copy or four int2 ones:
+    substitution costs more than int2's error, so every expert gets an int2 copy."""
+    a = allocate({0: [0.25] * 4}, Options(NBYTES, ERRORS, ("int8", "int2")), 400)
+    assert sorted(a.held.values()) == ["int2"] * 4
+
+
+def test_at_least_one_expert_per_block_is_held_when_the_budget_allows():
+    # block 1's experts are rarely picked: the greedy alone would spend everything on block 0
+    shares = {0: [0.5, 0.5], 1: [0.01, 0.01]}
+    plain = allocate(shares, Options(NBYTES, ERRORS, ("int2",)), 200)
+    floor = allocate(shares, Options(NBYTES, ERRORS, ("int2",)), 200, at_least_one=True)
+    assert [h for (layer, _), h in plain.held.items() if layer == 1] == [SUBSTITUTE] * 2
+    assert floor.covered(0) and floor.covered(1) and floor.nbytes <= 200
+
+
+def test_full_precision_experts_come_out_of_the_same_budget():
+    shares = {0: [0.7, 0.1, 0.1, 0.1]}
+    opts = Options(NBYTES, ERRORS, (FULL, "int8"))
+    a = choose_full(shares, opts, 1600 + 3 * 400, slot_bytes=1600, most=2)
+    assert a.full_per_block == 1 and a.held == {(0, 0): FULL, (0, 1): "int8", (0, 2): "int8", (0, 3): "int8"}
+    assert a.nbytes == 1600 + 3 * 400
+    # the same bytes with no full precision allowed: int8 copies of all four, bytes to spare
+    b = choose_full(shares, Options(NBYTES, ERRORS, ("int8",)), 1600 + 3 * 400, slot_bytes=1600, most=2)
+    assert b.full_per_block == 0 and set(b.held.values()) == {"int8"} and b.nbytes == 1600
+
+
+# --- on a model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(6, 128, 3, 10, seed=5)
+    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
+    ref.generate(prompts, GREEDY)
+    runtime = ref.engine.policy.runtime
+    expert_bytes = runtime.expert_bytes * len(runtime.expert_keys)
+    budget = expert_share_budget(ref, 0.3, 6, 48)
+    ref.close()
+    return path, prompts, ref.last_stats["token_ids_sha256"], budget, expert_bytes
+
+
+def memory_llm(reference, tmp_path, share: float, **kw):
+    path, _, _, budget, expert_bytes = reference
+    draft = int(share * expert_bytes)
+    opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path),
+                device_memory=budget + draft, max_batch_size=6, max_model_len=48, gamma=3, draft_memory=draft)
+    opts.update(kw)
+    return LLM(model=str(path), **opts), draft
+
+
+def draft_tensor_bytes(policy) -> int:
+    """The device bytes the draft holds, from its tensors: each distinct storage reachable
+    from its copies once, and one pool slot per full-precision draft expert."""
+    storages = {}
+    copies = policy.quantized
+    for key in copies.modes:
+        q = copies.expert(*key)
+        for t in _tensors(q):
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    full = sum(len(experts) for experts in policy.draft.values())
+    return sum(storages.values()) + full * policy.pool.slot_bytes
+
+
+def _tensors(obj, seen=None):
+    seen = seen if seen is not None else set()
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, seen)
+    elif hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _tensors(x, seen)
+
+
+@pytest.mark.parametrize("way,share", [("auto", 0.08), ("auto", 0.2), ("auto", 0.5), ("int2", 0.08),
+                                       ("int8", 0.2), ("none", 0.5)])
+def test_the_draft_holds_no_more_than_its_memory_and_gives_residents_tokens(reference, tmp_path, way, share):
+    _, prompts, sha, budget, _ = reference
+    llm, draft = memory_llm(reference, tmp_path, share, draft_quant=way)
+    held = watch_device_bytes(llm.engine)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert 0 < draft_tensor_bytes(llm.engine.policy) <= draft
+    assert held.excess(budget + draft) <= BOOKKEEPING_ALLOWANCE
+    if way == "none":
+        assert set(stats["draft_held"]) == {FULL, SUBSTITUTE}
+    elif way != "auto":
+        assert set(stats["draft_held"]) <= {way, SUBSTITUTE} and stats["draft_held"][way] > 0
+    llm.close()
+
+
+def test_more_draft_memory_covers_more_and_accepts_more(reference, tmp_path):
+    _, prompts, _, _, _ = reference
+    seen = []
+    for share in (0.08, 0.5):
+        llm, _ = memory_llm(reference, tmp_path, share, draft_quant="auto", gamma=4)
+        llm.generate(prompts, GREEDY)
+        stats = llm.last_stats
+        seen.append((stats["draft_held"].get(SUBSTITUTE, 0), stats["acceptance_rate"]))
+        llm.close()
+    (sub_small, acc_small), (sub_large, acc_large) = seen
+    assert sub_large < sub_small and acc_large > acc_small
+
+
+def test_measured_errors_order_the_precisions(reference):
+    """On a block's real inputs, fewer bits give a larger output error, and substitution
+    the largest: what the allocation trades."""
+    ckpt = Checkpoint(reference[0])
+    c = ckpt.config
+    x = torch.randn(SAMPLE_ROWS, c.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer in c.moe_layer_ids:
+        row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2"])
+        assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row[SUBSTITUTE]
+        assert row["int8"] < 0.02 and 0.3 < row[SUBSTITUTE] < 3
+
+
+# --- what a user is told -----------------------------------------------------------------------
+
+
+def test_a_draft_memory_too_small_for_one_copy_a_block_says_how_much_is_needed(reference, tmp_path):
+    with pytest.raises(SpecMoEError, match=r"--draft-memory .* holds less than one copy of an expert per block.*raise it to at least"):
+        memory_llm(reference, tmp_path, 0.0, draft_memory=64)
+
+
+def test_the_papers_draft_in_too_little_memory_says_so(reference, tmp_path):
+    with pytest.raises(SpecMoEError, match=r"holds less than one full-precision expert per block.*--draft-quant auto"):
+        memory_llm(reference, tmp_path, 0.02, draft_quant="none")
+
+
+def test_a_share_of_no_budget_is_an_error(reference, tmp_path):
+    path = reference[0]
+    with pytest.raises(SpecMoEError, match=r"share of the device budget, and there is none: give --device-memory"):
+        LLM(model=str(path), device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path),
+            draft_memory="20%")
+
+
+@pytest.mark.parametrize("kw,what", [(dict(policy="ondemand"), "policy ondemand has none: drop it or use --policy specmoe"),
+                                     (dict(draft_compute="host", offload="host"), "--draft-compute host holds nothing there")])
+def test_draft_memory_with_a_policy_or_draft_that_cannot_use_it_is_an_error(reference, tmp_path, kw, what):
+    with pytest.raises(SpecMoEError, match=what):
+        memory_llm(reference, tmp_path, 0.2, **kw)
