@@ -3,6 +3,7 @@ bytes the draft really holds, the resident model's tokens in every way, and the 
 user gets for a draft memory that cannot work."""
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from factories import (
     BOOKKEEPING_ALLOWANCE,
     expert_share_budget,
     random_prompts,
+    run_cli,
     watch_device_bytes,
 )
 
@@ -232,3 +234,30 @@ def test_a_share_of_no_budget_is_an_error(reference, tmp_path):
 def test_draft_memory_with_a_policy_or_draft_that_cannot_use_it_is_an_error(reference, tmp_path, kw, what):
     with pytest.raises(SpecMoEError, match=what):
         memory_llm(reference, tmp_path, 0.2, **kw)
+
+
+# --- specmoe info --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("way,share", [("auto", 0.2), ("none", 0.5)])
+def test_info_says_what_the_draft_would_hold_as_the_engine_then_holds_it(reference, tmp_path, capsys, way, share):
+    path, _, _, _, expert_bytes = reference
+    draft = int(share * expert_bytes)
+    code, out, err = run_cli(capsys, "info", "--model", str(path), "--device", "cpu", "--draft-memory", str(draft),
+                           "--draft-quant", way, "--offload-dir", str(tmp_path), "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    c = Checkpoint(path).config
+    assert sum(info["draft_holds"].values()) == len(c.moe_layer_ids) * c.num_experts
+    assert info["draft_full_bytes"] + info["draft_copies_bytes"] + info["draft_scratch_bytes"] <= draft == info["draft_memory"]
+    llm, _ = memory_llm(reference, tmp_path, share, draft_quant=way)
+    policy = llm.engine.policy
+    assert info["draft_full_per_block"] == policy.draft_experts
+    assert info["draft_full_bytes"] == policy.draft_experts * len(c.moe_layer_ids) * policy.pool.slot_bytes
+    llm.close()
+
+
+def test_info_with_a_draft_memory_share_and_no_budget_is_a_one_line_error(reference, capsys):
+    code, _, err = run_cli(capsys, "info", "--model", str(reference[0]), "--draft-memory", "20%")
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert "give --device-memory too" in err

@@ -21,6 +21,7 @@ from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
 from ..policies import POLICIES
+from ..policies.specmoe.draft_memory import describe as describe_draft
 
 
 def register(subparsers) -> None:
@@ -29,7 +30,10 @@ def register(subparsers) -> None:
     i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB, 24G (GiB) or 30%%")
     i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
     i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
-    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 draft copies")
+    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 | int2 draft "
+                   "copies; with --draft-memory, the ways the draft may hold experts (auto | none | a mode)")
+    i.add_argument("--draft-memory", help="report what SpecMoE's draft would hold in this many bytes (e.g. 400MiB) "
+                   "or share of --device-memory (e.g. 20%%), with --draft-quant's ways (default auto: each expert's)")
     i.add_argument("--offload-dir", help="where the disk tier's expert file would live (default: the cache dir); "
                    "info says whether reads there bypass the page cache")
     i.add_argument("--json", action="store_true")
@@ -37,9 +41,10 @@ def register(subparsers) -> None:
 
 
 def run_info(args) -> int:
-    info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
-                      batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant)
     directory = Path(args.offload_dir) if args.offload_dir else offload_dir()
+    info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
+                      batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant,
+                      draft_memory=args.draft_memory, cache_dir=directory)
     info["offload_dir"] = str(directory)
     info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
     if args.json:
@@ -50,7 +55,7 @@ def run_info(args) -> int:
 
 
 def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
-               draft_quant=None) -> dict:
+               draft_quant=None, draft_memory=None, cache_dir=None) -> dict:
     ckpt = open_checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
@@ -92,7 +97,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             decoder_start_token_id=c.seq2seq.decoder_start_token_id,
         )
     info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device))
-    if draft_quant and draft_quant != "none":
+    if draft_quant and draft_quant not in ("none", "auto"):
         # relative L2 error of each block's expert outputs with quantized copies (random inputs)
         info["draft_quant_error"] = {
             row["layer"]: {"mean_rel_l2": round(row["mean_rel_l2"], 4), "max_rel_l2": round(row["max_rel_l2"], 4),
@@ -118,6 +123,10 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
         if resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
             info["host_peak_bound_bytes"] = host_bound(budget)
+    if draft_memory is not None:
+        slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
+        info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
+                                   compute_dtype, draft_quant or "auto", cache_dir))
     return info
 
 
@@ -162,7 +171,7 @@ def render_info(info: dict) -> None:
 
     table = Table(show_header=False, box=None)
     for key, value in info.items():
-        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory",):
+        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory", "draft_memory"):
             value = f"{format_bytes(value)} ({value:,} B)"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}: {v}" for k, v in value.items())

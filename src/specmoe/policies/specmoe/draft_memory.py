@@ -18,7 +18,7 @@ import torch
 
 from ...base.config import budget_share
 from ...base.errors import SpecMoEError
-from ...base.units import format_bytes
+from ...base.units import format_bytes, parse_size
 from ...experts.draft_copies import ExpertCopies, load_copies
 from ...experts.quant import BITS, draft_copy_bytes, draft_modes
 from .allocation import FULL, Allocation, Options, allocate, choose_full, pick_shares
@@ -38,7 +38,7 @@ def draft_memory_bytes(value, budget_limit: int | None) -> int:
     """--draft-memory in bytes: as given, or its share of the device budget."""
     share = budget_share(value, "draft_memory")
     if share is None:
-        return int(value)
+        return parse_size(value, "--draft-memory") if isinstance(value, str) else int(value)
     if budget_limit is None:
         raise SpecMoEError(f"--draft-memory {value} is a share of the device budget, and there is none: give "
                            "--device-memory too, or --draft-memory as a size (e.g. 400MiB)")
@@ -53,45 +53,23 @@ class DraftMemory:
         self.runtime, self.cache = runtime, cache
         self.limit = draft_memory_bytes(opts.draft_memory, runtime.budget.limit)
         ways = draft_ways(opts.draft_quant, c.expert_quant)
-        nbytes, scratch = {FULL: runtime.slot_bytes}, 0
-        for mode in ways:
-            if mode != FULL:
-                nbytes[mode], s = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
-                scratch = max(scratch, s)  # what a portable copy dequantizes into while it runs
         self.layers = list(c.draft_layer_ids)
         errors = cached_errors(runtime.checkpoint, cache, ways)
         self.measured = errors is not None
         self.errors = errors or default_errors(self.layers)  # per block, as measured
+        nbytes, self.scratch = way_bytes(c, ways, runtime.slot_bytes, runtime.device, runtime.dtype)
         self.options = Options(nbytes, mean_errors(self.errors), ways)
-        self.scratch = scratch
-        uniform = pick_shares({layer: [0] * c.num_experts for layer in self.layers})
-        most = c.num_experts - 1 if opts.draft_quant == "none" else c.num_experts // 4
-        fewest = 1 if opts.draft_quant == "none" else 0
-        plan = None
-        for n in ([draft_experts] if draft_experts is not None else range(fewest, most + 1)):
-            candidate = _with_full(uniform, self.options, self.limit - scratch, runtime.slot_bytes, n)
-            if candidate is not None and (plan is None or candidate.cost < plan.cost - 1e-12):
-                plan = candidate
-        if plan is None or not _every_block_covered(plan, self.layers):
-            raise SpecMoEError(self._too_small(c, opts.draft_quant, fewest))
+        plan = start_plan(c, self.options, self.limit, self.scratch, runtime.slot_bytes, opts.draft_quant, draft_experts)
         self.full_per_block = plan.full_per_block
-        self.copy_budget = self.limit - scratch - self.full_per_block * len(self.layers) * runtime.slot_bytes
+        self.copy_budget = self.limit - self.scratch - self.full_per_block * len(self.layers) * runtime.slot_bytes
         runtime.budget.reserve("draft copies", self.copy_budget,
                                hint=f" (--draft-memory {format_bytes(self.limit)} less its full-precision experts)")
-        if scratch:
-            runtime.budget.reserve("quantized draft scratch", scratch)
+        if self.scratch:
+            runtime.budget.reserve("quantized draft scratch", self.scratch)
         self.allocation: Allocation | None = None
         self.copies: ExpertCopies | None = None
         self.reload_bytes = 0
         self.rows: dict[int, dict[str, float]] = {}  # measured errors, block by block
-
-    def _too_small(self, c, draft_quant: str, fewest: int) -> str:
-        cheapest = min(self.options.nbytes[w] for w in self.options.ways())
-        need = max(fewest * self.runtime.slot_bytes, cheapest) * len(self.layers) + self.scratch
-        what = "one full-precision expert" if draft_quant == "none" else "one copy of an expert"
-        return (f"--draft-memory {format_bytes(self.limit)} holds less than {what} per block ({len(self.layers)} "
-                f"blocks); raise it to at least {format_bytes(need)}" +
-                ("" if draft_quant in ("auto", "int2") else " or allow lower-bit copies (--draft-quant auto)"))
 
     # --- what the engine routes ---------------------------------------------------------
 
@@ -128,6 +106,60 @@ class DraftMemory:
                 "draft_errors_measured": self.measured}
 
 
+def describe(ckpt, value, budget_limit: int | None, slot_bytes: int, device, dtype, draft_quant: str,
+             cache: Path | None) -> dict:
+    """What a draft of `value` (--draft-memory) would hold when the engine starts, before
+    routing is seen (`specmoe info --draft-memory`)."""
+    c = ckpt.config
+    limit = draft_memory_bytes(value, budget_limit)
+    ways = draft_ways(draft_quant, c.expert_quant)
+    errors = cached_errors(ckpt, cache, ways)
+    nbytes, scratch = way_bytes(c, ways, slot_bytes, device, dtype)
+    options = Options(nbytes, mean_errors(errors or default_errors(c.draft_layer_ids)), ways)
+    plan = start_plan(c, options, limit, scratch, slot_bytes, draft_quant)
+    full_bytes = plan.full_per_block * len(c.draft_layer_ids) * slot_bytes
+    return {"draft_memory": limit, "draft_holds": plan.count(), "draft_full_per_block": plan.full_per_block,
+            "draft_full_bytes": full_bytes, "draft_copies_bytes": plan.nbytes - full_bytes,
+            "draft_scratch_bytes": scratch,
+            "draft_errors": "measured" if errors else "prior (measured on the first prefill, then cached)",
+            "draft_note": "before routing is seen: the copies are chosen again from the picks after each prefill"}
+
+
+def way_bytes(config, ways, slot_bytes: int, device, dtype) -> tuple[dict[str, int], int]:
+    """Device bytes per expert of each way, and the scratch the portable copies dequantize into."""
+    nbytes, scratch = {FULL: slot_bytes}, 0
+    for mode in ways:
+        if mode != FULL:
+            nbytes[mode], s = draft_copy_bytes(config.expert, mode, device, dtype)
+            scratch = max(scratch, s)
+    return nbytes, scratch
+
+
+def start_plan(config, options: Options, limit: int, scratch: int, slot_bytes: int, draft_quant: str,
+               draft_experts: int | None = None) -> Allocation:
+    """What the draft holds before any routing is seen (every expert equally likely): the
+    count N of full-precision experts per block (fixed for the run) and copies for the
+    rest. A draft memory that cannot hold something in every block is a SpecMoEError."""
+    layers = list(config.draft_layer_ids)
+    uniform = pick_shares({layer: [0] * config.num_experts for layer in layers})
+    most = config.num_experts - 1 if draft_quant == "none" else config.num_experts // 4
+    fewest = 1 if draft_quant == "none" else 0
+    plan = None
+    for n in ([draft_experts] if draft_experts is not None else range(fewest, most + 1)):
+        candidate = _with_full(uniform, options, limit - scratch, slot_bytes, n)
+        if candidate is not None and (plan is None or candidate.cost < plan.cost - 1e-12):
+            plan = candidate
+    if plan is None or not all(plan.covered(layer) for layer in layers):
+        cheapest = min(options.nbytes[w] for w in options.ways())
+        need = max(fewest * slot_bytes, cheapest) * len(layers) + scratch
+        what = "one full-precision expert" if draft_quant == "none" else "one copy of an expert"
+        raise SpecMoEError(
+            f"--draft-memory {format_bytes(limit)} holds less than {what} per block ({len(layers)} blocks); raise it "
+            f"to at least {format_bytes(need)}" +
+            ("" if draft_quant in ("auto", "int2") else " or allow lower-bit copies (--draft-quant auto)"))
+    return plan
+
+
 def _with_full(shares, options: Options, budget: int, slot_bytes: int, n: int) -> Allocation | None:
     """The allocation with n full-precision experts per block, or None if they do not fit."""
     if n and FULL not in options.ways():
@@ -135,6 +167,3 @@ def _with_full(shares, options: Options, budget: int, slot_bytes: int, n: int) -
     a = choose_full(shares, options, budget, slot_bytes, n, fewest=n)
     return a if a is not None and a.full_per_block == n else None
 
-
-def _every_block_covered(plan: Allocation, layers) -> bool:
-    return all(plan.covered(layer) for layer in layers)
