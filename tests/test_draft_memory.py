@@ -261,3 +261,12 @@ def test_info_with_a_draft_memory_share_and_no_budget_is_a_one_line_error(refere
     code, _, err = run_cli(capsys, "info", "--model", str(reference[0]), "--draft-memory", "20%")
     assert code != 0 and len(err.strip().splitlines()) == 1
     assert "give --device-memory too" in err
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--ablation-draft-memory", "10%"], "add --ablation draft-memory"),
+    (["--ablation", "draft-memory", "--ablation-draft-memory", "10%,150%"], "'150%' is not a share of the expert bytes"),
+])
+def test_bench_draft_memory_points_are_checked(capsys, args, says):
+    code, _, err = run_cli(capsys, "bench", "--no-grid", *args)
+    assert code == 2 and says in err and len(err.strip().splitlines()) == 1

@@ -65,8 +65,9 @@ def parse_ablations(text: str | None) -> list[str]:
 
 
 def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None,
-             expert_bytes: int = 0) -> list[Variant]:
-    """The ablation's specmoe variants; `expert_bytes`: all expert bytes (the draft-memory curve's unit)."""
+             expert_bytes: int = 0, shares: list[float] | None = None) -> list[Variant]:
+    """The ablation's specmoe variants; `expert_bytes`: all expert bytes (the draft-memory curve's unit),
+    `shares`: the draft-memory curve's points (None: DRAFT_MEMORY_SHARES)."""
     if name == "draft-set":
         return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
@@ -84,7 +85,7 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
     if name == "draft-quant":
         return [Variant(f"draft {q}", {"draft_quant": q}, {}) for q in ("none", "int8", "int4")]
     if name == "draft-memory":
-        shares = (0.05, 0.2) if quick else DRAFT_MEMORY_SHARES
+        shares = shares or ((0.05, 0.2) if quick else DRAFT_MEMORY_SHARES)
         return [Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
                         {"draft_memory_share": share, "draft_way": label})
                 for share in shares for label, quant in DRAFT_MEMORY_WAYS]

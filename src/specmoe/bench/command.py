@@ -77,6 +77,8 @@ def register(subparsers) -> None:
     p.add_argument("--ablation-batch-size", type=int, default=16, help="batch size of the ablations (default 16)")
     p.add_argument("--ablation-gammas", help="the gamma ablation's draft lengths, comma-separated (default 1 to 10, "
                    "16, 24, 32; --quick: 1,3,5,10)")
+    p.add_argument("--ablation-draft-memory", help="the draft-memory ablation's draft memories as shares of all "
+                   "expert bytes, comma-separated, e.g. 10%%,20%% (default 2%%,5%%,10%%,20%%,40%%; --quick: 5%%,20%%)")
     p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
     p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
     p.add_argument("--trace-dir", help="write each run's routing/timing trace to DIR/<policy>-b<B>.jsonl")
@@ -114,6 +116,7 @@ class Settings:
     threads: int | None = None
     prompt_batches: int = 2  # each run generates for prompt_batches x B prompts
     ablation_gammas: list[int] | None = None  # the gamma ablation's drafts; None: its default list
+    ablation_shares: list[float] | None = None  # the draft-memory ablation's points; None: its default list
     command: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -199,6 +202,8 @@ def settings_from_args(args) -> Settings:
                            "the experts live, and needs --offload host")
     if args.ablation_gammas and "gamma" not in ablations:
         raise SpecMoEError("--ablation-gammas sets the gamma ablation's draft lengths: add --ablation gamma")
+    if args.ablation_draft_memory and "draft-memory" not in ablations:
+        raise SpecMoEError("--ablation-draft-memory sets the draft-memory ablation's points: add --ablation draft-memory")
     if args.no_grid and not ablations:
         raise SpecMoEError("--no-grid leaves nothing to run: add --ablation NAME")
     if args.offload_bandwidth is not None:
@@ -232,6 +237,7 @@ def settings_from_args(args) -> Settings:
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
         prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),
         ablation_gammas=parse_batch_sizes(args.ablation_gammas, "--ablation-gammas") if args.ablation_gammas else None,
+        ablation_shares=_shares(args.ablation_draft_memory) if args.ablation_draft_memory else None,
         command=canonical_command(args), notes=notes,
     )
 
@@ -294,3 +300,19 @@ def _json_default(obj):
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def _shares(text: str) -> list[float]:
+    """--ablation-draft-memory: comma-separated shares of all expert bytes (10% or 0.1)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            share = float(item[:-1]) / 100 if item.endswith("%") else float(item)
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise SpecMoEError(f"--ablation-draft-memory {item!r} is not a share of the expert bytes; "
+                               "use e.g. 10%,20% or 0.1,0.2")
+        out.append(share)
+    return out

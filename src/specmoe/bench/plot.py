@@ -145,3 +145,49 @@ def _title(doc: dict) -> str:
               else "fixed --device-memory")
     return (f"specmoe bench: model {model}, {c['offload']} tier, device budget {budget}, {c['max_tokens']} tokens/prompt, "
             f"median of {c['repeats']} — {m['cpu']} ({m['cores']} cores), {m['date'][:10]}")
+
+
+WAY_STYLES = {"allocated": ("*", "-", 2.2), "paper": ("x", ":", 1.2)}
+
+
+def write_draft_memory_plot(docs: list[dict], path: str) -> None:
+    """The draft-memory ablation's curves, one column per batch size: tokens per step
+    (top) and decode throughput as a multiple of ondemand in the same run (bottom) against
+    the draft's bytes as a share of all expert bytes, one line per way of holding them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .tables import _draft_memory_points
+
+    curves = sorted((_draft_memory_points(d) for d in docs), key=lambda t: t[0])
+    fig, axes = plt.subplots(2, len(curves), figsize=(5.2 * len(curves), 7.5), squeeze=False)
+    for col, (batch, base, points) in enumerate(curves):
+        top, bottom = axes[0][col], axes[1][col]
+        for way in dict.fromkeys(w for _, w in sorted(points, key=lambda k: k[1] != "allocated")):
+            pts = sorted((s * 100, r) for (s, w), r in points.items() if w == way)
+            marker, style, width = WAY_STYLES.get(way, ("o", "--", 1.0))
+            xs = [p[0] for p in pts]
+            top.plot(xs, [p[1]["tokens_per_step"] for p in pts], marker=marker, linestyle=style, linewidth=width,
+                     label=way)
+            if base:
+                bottom.plot(xs, [p[1]["decode_tokens_per_s"] / base["decode_tokens_per_s"] for p in pts],
+                            marker=marker, linestyle=style, linewidth=width, label=way)
+        bottom.axhline(1.0, color="grey", linewidth=0.8, label="ondemand")
+        top.set_title(f"B = {batch}")
+        top.set_ylabel("tokens per step (per sequence)")
+        bottom.set_ylabel("decode tok/s ÷ ondemand's (same run)")
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xticks(sorted({s * 100 for s, _ in points}), [f"{s * 100:g} %" for s in sorted({s for s, _ in points})])
+            ax.minorticks_off()
+            ax.set_xlabel("draft memory (share of all expert bytes)")
+            ax.grid(True, alpha=0.3)
+        top.legend(fontsize=8)
+    model = Path(docs[0]["config"]["model"]["path"]).name if docs else ""
+    fig.suptitle(f"The draft under a memory budget: {model}, {docs[0]['config']['offload']} tier" if docs else "",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -72,7 +72,7 @@ class Suite:
             n += sum(len(self.s.policies) + len(self.anchors_at(b)) for b in self.s.batch_sizes) * rounds
         for name in self.s.ablations:
             n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick, self.s.ablation_gammas,
-                                   self.info["expert_bytes_total"]))) * rounds
+                                   self.info["expert_bytes_total"], self.s.ablation_shares))) * rounds
         return n
 
     # --- builders -------------------------------------------------------------------------------------
@@ -242,7 +242,8 @@ class Suite:
         base_budget = self._budget(batch, max_len)
         builders = [self._policy_builder("ondemand", "ondemand", prompts, batch, max_len, base_budget,
                                          f"{name}-ondemand-b{batch}", {"variant": "ondemand"})]
-        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, info["expert_bytes_total"]):
+        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, info["expert_bytes_total"],
+                          s.ablation_shares):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
             budget = self._budget(batch, v_len)

@@ -397,3 +397,44 @@ def real_size_goals(grids: list[dict], paper: dict) -> str:
                      ["B", "default tok/s", "tok/step", "× ondemand", "paper's tok/s", "tok/step", "× ondemand"],
                      drafts) + "\n")
     return text
+
+
+def _draft_memory_points(doc: dict) -> tuple[int, dict, dict[tuple[float, str], dict]]:
+    """(batch size, ondemand's record, (share, way) -> record) of a draft-memory ablation."""
+    entry = next(e for e in doc["ablations"] if e["ablation"] == "draft-memory")
+    ok = [r for r in entry["records"] if not r.get("skipped")]
+    base = next((r for r in ok if r.get("policy") == "ondemand"), None)
+    points = {(r["draft_memory_share"], r["draft_way"]): r for r in ok if "draft_way" in r}
+    return entry["batch_size"], base, points
+
+
+def draft_memory_goals(docs: list[dict]) -> str:
+    """Per batch size and draft memory: the allocator's tokens per step against the best
+    single format's and the paper's draft at the same bytes (goals: >= 1.0x and >= 2x),
+    and each one's throughput as a multiple of ondemand in the same run."""
+    rows = []
+    for doc in docs:
+        batch, base, points = _draft_memory_points(doc)
+        for share in sorted({s for s, _ in points}):
+            at = {way: r for (s, way), r in points.items() if s == share}
+            mine = at.get("allocated")
+            singles = {w: r for w, r in at.items() if w not in ("allocated", "paper")}
+            best = max(singles.items(), key=lambda kv: kv[1]["tokens_per_step"], default=(None, None))
+            paper = at.get("paper")
+            if mine is None:
+                continue
+
+            def x_ondemand(r):
+                return f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if r and base else "–"
+
+            vs_best = mine["tokens_per_step"] / best[1]["tokens_per_step"] if best[1] else None
+            vs_paper = mine["tokens_per_step"] / paper["tokens_per_step"] if paper else None
+            rows.append([str(batch), f"{share:.0%}", _f(mine["tokens_per_step"], "{:.2f}"),
+                         _f(mine.get("acceptance_rate"), "{:.2f}"), x_ondemand(mine),
+                         f"{best[0]} {_f(best[1]['tokens_per_step'], '{:.2f}')}" if best[1] else "–",
+                         _f(vs_best, "{:.2f}x"), "yes" if vs_best is not None and vs_best >= 1.0 else "no",
+                         _f(paper["tokens_per_step"], "{:.2f}") if paper else "does not fit",
+                         _f(vs_paper, "{:.2f}x"),
+                         "–" if vs_paper is None else ("yes" if vs_paper >= 2.0 else "no")])
+    return md_table(["B", "draft memory", "allocated tok/step", "acceptance", "× ondemand", "best single format",
+                     "allocated ÷ best", "≥ 1.0", "paper's tok/step", "allocated ÷ paper", "≥ 2"], rows) + "\n"
