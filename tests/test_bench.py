@@ -378,3 +378,17 @@ def test_the_real_size_goals_are_ratios_of_one_runs_figures():
     assert "| specmoe (disk, 30 %) ÷ ondemand, B = 64 | – | – | – | 2.5x | not measured |" in text
     assert "| specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16 | 22.0 | 20.0 | 1.10x | 1.0x | yes |" in text
     assert "| 16 | 22.0 | 7.50 | 4.40x | 3.0 | 3.25 | 0.75x |" in text
+
+
+def test_the_auto_table_gives_autos_ratio_to_the_best_fixed_policy_against_the_goal():
+    from specmoe.bench.tables import AUTO_GOAL, auto_against_fixed
+
+    def rec(b, policy, tps):
+        return dict(batch_size=b, policy=policy, decode_tokens_per_s=tps, auto_plan="p", gamma=3)
+
+    doc = {"records": [rec(1, "ondemand", 100.0), rec(1, "specmoe", 200.0), rec(1, "auto", 190.0),
+                       rec(4, "ondemand", 300.0), rec(4, "specmoe", 200.0), rec(4, "auto", 282.0)]}
+    rows = [line.split(" | ") for line in auto_against_fixed(doc).splitlines()[2:]]
+    assert AUTO_GOAL == 0.95
+    # B = 1: 190 / 200 (specmoe the best) meets it; B = 4: 282 / 300 (ondemand the best) does not
+    assert [(r[0], r[-2], r[-1]) for r in rows] == [("| 1", "0.95", "met |"), ("| 4", "0.94", "not met |")]

@@ -7,6 +7,7 @@ documents, and a new section cannot join the page without them."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,25 @@ MEASURED_BEFORE_DOCUMENTS_WERE_KEPT = {
     "host", "identity", "serving", "soak", "eval", "ui", "projections", "replicas", "anchors", "profile",
     "translate", "quick",
 }
+
+
+# A measured figure in prose: a decimal, a ratio (2x), a share (30 %), or a quantity with a
+# unit. Settings (B = 16, gamma 4), dates, commits and model names (Mixtral-8x7B) are none.
+FIGURE = re.compile(r"\d+\.\d+|\b\d+\s?(x|×|%)(?!\w)|\b\d+\s?(tok/s|[KMG]i?B|ms|us|s)\b")
+BEGIN = re.compile(r"<!-- specmoe bench: begin (\S+) -->")
+
+
+def hand_written(page: str) -> list[str]:
+    """The page's lines outside every section's markers."""
+    out, inside = [], False
+    for line in page.splitlines():
+        if BEGIN.match(line):
+            inside = True
+        elif line.startswith("<!-- specmoe bench: end"):
+            inside = False
+        elif not inside:
+            out.append(line)
+    return out
 
 
 def kept(section) -> bool:
@@ -72,3 +92,28 @@ def test_keep_documents_copies_a_sections_documents_and_their_commands(tmp_path)
     assert json.loads((kept_dir / section.runs[0].output).read_text()) == {"which": section.runs[0].output}
     commands = json.loads((kept_dir / COMMANDS_FILE).read_text())
     assert commands == {"grid.json": "older grid command", **{r.output: f"cmd {r.output}" for r in section.runs}}
+
+
+def test_hand_written_text_holds_no_figures_and_runs_no_commands_of_its_own():
+    """Every figure is inside a generated section; the only commands outside are the make
+    targets that run or render the sections (a hand-run command's figures cannot be renewed)."""
+    lines, fenced, in_code = hand_written(PAGE.read_text()), [], False
+    for line in lines:
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            fenced.append(line)
+    prose = [line for line in lines if not line.startswith("```") and line not in fenced]
+    assert [line for line in prose if FIGURE.search(re.sub(r"`[^`]*`", "", line))] == []
+    assert all(line.startswith("make bench") for line in fenced), fenced
+
+
+def test_the_figure_check_sees_a_figure_in_prose():
+    for text in ("1.96x faster", "2x ondemand", "at 30 % budget", "164.1 tok/s", "1.5 MiB", "42 ms"):
+        assert FIGURE.search(text), text
+    for text in ("at B = 16", "gamma 4 and 16", "Mixtral-8x7B layer shape", "measured on 2026-12-02", "float32"):
+        assert not FIGURE.search(text), text
+
+
+def test_every_section_on_the_page_is_one_that_run_all_runs():
+    assert set(BEGIN.findall(PAGE.read_text())) <= {s.name for s in SECTIONS}

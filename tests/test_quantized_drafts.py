@@ -2,11 +2,16 @@
 quantized copies of every expert — exact output, nothing moved while drafting, every
 byte in the budget."""
 
+import functools
+from collections import deque
+from types import SimpleNamespace
+
 import pytest
 import torch
 from factories import (
     BOOKKEEPING_ALLOWANCE,
     _rewrite,
+    device_bytes_held,
     expert_share_budget,
     make_checkpoint,
     random_prompts,
@@ -17,7 +22,7 @@ from factories import (
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
 from specmoe.base.specs import ExpertSpec
-from specmoe.experts import kernels
+from specmoe.experts import formats, kernels
 from specmoe.experts.kernels import Shape
 from specmoe.experts.quant import (
     BITS,
@@ -318,6 +323,38 @@ def test_the_device_check_sees_one_uncharged_int4_expert_held_inside_passes(refe
     assert int4_expert <= max(held.over_ledger) <= int4_expert + BOOKKEEPING_ALLOWANCE
     assert held.excess(budgets[0.5]) > BOOKKEEPING_ALLOWANCE
     llm.close()
+
+
+@pytest.mark.parametrize("where", ["closure", "deque", "partial", "module-level lru_cache"])
+def test_the_device_walk_finds_an_expert_kept_out_of_attributes_reach(reference, tmp_path, monkeypatch, where):
+    """One int4 expert's bytes kept where a walk of attributes, dicts and lists does not
+    look: device_bytes_held must grow by exactly those bytes."""
+    path, _, _, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant="int4")
+    policy, c = llm.engine.policy, llm.config
+    kept = torch.empty(3 * c.hidden_size * c.expert_intermediate_size // 2, dtype=torch.uint8)
+    before = device_bytes_held(llm.engine)
+    if where == "closure":
+        policy.later = lambda: kept.sum()
+    elif where == "deque":
+        policy.recent = deque([kept])
+    elif where == "partial":
+        policy.later = functools.partial(torch.sum, kept)
+    else:  # a module's cache, as formats.py's: only the cache holds what it returned
+        n = kept.nbytes
+        monkeypatch.setattr(formats, "_fp4_table", functools.lru_cache(maxsize=1)(lambda *_: torch.empty(n)))
+        kept = formats._fp4_table(torch.device("cpu"), torch.uint8)  # n float32s: 4 n bytes
+    assert device_bytes_held(llm.engine) - before == kept.nbytes
+    llm.close()
+
+
+def test_the_device_walk_counts_formats_fp4_table_cache():
+    """formats.py's own lru_cache of the FP4 value table (16 values) is module-level state."""
+    engine = SimpleNamespace(checkpoint=None, policy=None, tokenizer=None, device=torch.device("cpu"))
+    formats._fp4_table.cache_clear()
+    before = device_bytes_held(engine)
+    formats._fp4_table(torch.device("cpu"), torch.float64)
+    assert device_bytes_held(engine) - before == 16 * 8
 
 
 def test_quantized_draft_moves_no_expert_bytes(reference, tmp_path):
