@@ -10,16 +10,19 @@ import torch
 
 class HotnessCounter:
     """Selections per expert per block, accumulated over a window (a verify pass), and
-    over the whole run (`totals`: what --draft-memory's allocation weighs experts by)."""
+    and, when asked, over the whole run (`totals`: what --draft-memory's allocation weighs
+    experts by)."""
 
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, num_layers: int, num_experts: int, whole_run: bool = False):
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
-        self.totals = torch.zeros_like(self.counts)
+        # only --draft-memory weighs the whole run: elsewhere no second table is held
+        self.totals = torch.zeros_like(self.counts) if whole_run else None
 
     def add(self, layer: int, ids: torch.Tensor) -> None:
         picks = torch.bincount(ids.reshape(-1).cpu(), minlength=self.counts.shape[1])
         self.counts[layer] += picks
-        self.totals[layer] += picks
+        if self.totals is not None:
+            self.totals[layer] += picks
 
     def hottest(self, layer: int, n: int, tie_break: list[int] | None = None, whole_run: bool = False) -> list[int]:
         """The n most selected experts of `layer` in the window (or the whole run); ties go

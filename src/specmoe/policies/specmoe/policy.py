@@ -93,7 +93,7 @@ class SpecMoEPolicy(OffloadPolicy):
         self.affinity = None
         if opts.substitution == "affinity" and opts.draft_compute == "device" and self.quantized is None:
             self.affinity = load_affinity(runtime.checkpoint, cache)  # (every draft that substitutes)
-        self.hotness = HotnessCounter(c.num_layers, c.num_experts)
+        self.hotness = HotnessCounter(c.num_layers, c.num_experts, whole_run=self.memory is not None)
         self.drafter = Drafter(self)
 
     def _reserve_quantized(self, runtime, cache) -> str:
