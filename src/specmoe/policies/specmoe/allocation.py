@@ -2,7 +2,7 @@
 
 Each expert of a drafting block can be held for the draft in one of several ways, each
 with its device bytes and how far the draft's output then is from the model's (measured
-per block: draft_quality.py):
+per block, averaged over blocks: draft_quality.py):
 
 - `full`: the expert itself, pinned in the device pool (the paper's draft experts);
 - `int8` .. `int2`: a quantized copy;
@@ -11,13 +11,12 @@ per block: draft_quality.py):
 The draft's expected cost is the sum, over blocks and experts, of how often the expert
 is picked (its share of the block's picks) times the cost of the way it is held: a
 model of the chance that a pick held so changes the drafted token, from its relative
-output error (`pick_cost`). Which
-way minimizes it within the budget is a multiple-choice knapsack; `allocate` solves its
-relaxation greedily (each expert's choices on their lower convex hull of bytes against
-error, upgrades taken most cost saved per byte first), which is within one upgrade of
-the optimum. Full-precision experts come first, as a count per block (`choose_full`):
-they are pool slots, sized when the engine starts, and the paper's refresh keeps the
-hottest there; the copies are chosen for the rest.
+output error (`pick_cost`). Which way minimizes it within the budget is a multiple-choice
+knapsack; `allocate` solves its relaxation greedily (each expert's choices on their lower
+convex hull of bytes against cost, upgrades taken most cost saved per byte first), which
+is within one upgrade of the optimum. Full-precision experts come first, as a count per
+block (`choose_full`): they are pool slots, sized when the engine starts, holding the
+run's hottest experts; the copies are chosen for the rest.
 
 Plain Python: no tensors.
 """
@@ -25,8 +24,8 @@ Plain Python: no tensors.
 from __future__ import annotations
 
 import heapq
-import math
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ ERROR_SCALE, ERROR_POWER = 1.1, 3
 
 def pick_cost(error: float) -> float:
     return 1.0 - math.exp(-((error / ERROR_SCALE) ** ERROR_POWER))
+
 
 Key = tuple[int, int]
 _ORDER = itertools.count()  # ties in the heap: first pushed first
@@ -156,13 +156,13 @@ def allocate(shares: dict[int, list[float]], options: Options, budget: int,
 
 
 def _hull(points: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
-    """The lower convex hull of (bytes, error) from the cheapest point: each step buys
-    less error per byte than the one before, and no point is dominated."""
-    points = sorted(points, key=lambda p: (p[0], p[1]))
+    """The lower convex hull of (bytes, cost) from the cheapest point: each step buys
+    less cost per byte than the one before, and no point is dominated."""
+    points = sorted(points, key=lambda p: (p[0], p[1]))  # (bytes, cost, way)
     hull: list[tuple[int, float, str]] = []
     for p in points:
         if hull and p[1] >= hull[-1][1]:
-            continue  # more bytes for no less error
+            continue  # more bytes for no less cost
         while len(hull) >= 2 and _slope(hull[-2], hull[-1]) <= _slope(hull[-2], p):
             hull.pop()  # hull[-1] saves less per byte than going straight to p
         hull.append(p)
@@ -170,7 +170,7 @@ def _hull(points: list[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
 
 
 def _slope(a, b) -> float:
-    """Error saved per byte going from a to b (b costs more)."""
+    """Cost saved per byte going from a to b (b takes more bytes)."""
     return (a[1] - b[1]) / (b[0] - a[0]) if b[0] > a[0] else float("inf")
 
 

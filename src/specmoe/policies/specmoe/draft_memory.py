@@ -2,12 +2,14 @@
 and which experts it holds how, chosen from routing as it is seen.
 
 At start (nothing routed yet): the budget is reserved, and the count N of full-precision
-draft experts per block is chosen with every expert equally likely (`choose_full`); they
-are pool slots, so N is fixed for the run, and the paper's refresh keeps the N hottest
-there. After every prefill: the errors are measured on that prefill's block inputs the
-first time (draft_quality.py; then cached per model), and the copies are chosen again from
-every pick counted so far (`allocate`) and loaded where they changed: a copy kept in its
-precision is not read again. Bytes read for that are counted (`reload_bytes`).
+draft experts per block is chosen with every expert equally likely (`start_plan`); they
+are pool slots, so N is fixed for the run. After every prefill: the errors are measured
+on that prefill's block inputs the first time (draft_quality.py; then cached per model),
+the N most picked experts of each block so far become the full-precision ones, and the
+copies for the rest are chosen again from every pick counted so far (`allocate`) and
+loaded where they changed: a copy kept in its precision is not read again. Bytes read
+for that are counted (`reload_bytes`). With no copies (the paper's draft in this memory)
+the verify refresh still moves the N experts to the last pass's hottest.
 """
 
 from __future__ import annotations
