@@ -270,3 +270,32 @@ def test_info_with_a_draft_memory_share_and_no_budget_is_a_one_line_error(refere
 def test_bench_draft_memory_points_are_checked(capsys, args, says):
     code, _, err = run_cli(capsys, "bench", "--no-grid", *args)
     assert code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+# --- the bench's curve --------------------------------------------------------------------------
+
+
+def _curve_doc(batch: int, points: dict) -> dict:
+    records = [{"label": "ondemand", "policy": "ondemand", "decode_tokens_per_s": 10.0, "tokens_per_step": 1.0}]
+    for (share, way), (tps, tok_s) in points.items():
+        records.append({"label": f"{way} {share:.0%}", "policy": "specmoe", "draft_memory_share": share,
+                        "draft_way": way, "tokens_per_step": tps, "decode_tokens_per_s": tok_s,
+                        "acceptance_rate": 0.5})
+    records.append({"label": "paper 5%", "draft_memory_share": 0.05, "draft_way": "paper", "skipped": "too small"})
+    return {"ablations": [{"ablation": "draft-memory", "batch_size": batch, "what": "", "records": records}],
+            "config": {"model": {"path": "demo"}, "offload": "disk"}}
+
+
+def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_the_papers_draft(tmp_path):
+    from specmoe.bench.plot import write_draft_memory_plot
+    from specmoe.bench.tables import draft_memory_goals
+
+    doc = _curve_doc(16, {(0.05, "allocated"): (3.0, 20.0), (0.05, "int2"): (2.0, 15.0), (0.05, "int8"): (1.5, 30.0),
+                          (0.2, "allocated"): (9.0, 40.0), (0.2, "int4"): (10.0, 45.0), (0.2, "paper"): (2.0, 9.0)})
+    rows = [line.strip("| ").split(" | ") for line in draft_memory_goals([doc]).splitlines()[2:]]
+    small, large = rows
+    assert small[5:11] == ["int2 2.00", "1.50x", "yes", "does not fit", "–", "–"]
+    assert small[4] == "2.00x"  # 20 tok/s against ondemand's 10
+    assert large[5:11] == ["int4 10.00", "0.90x", "no", "2.00", "4.50x", "yes"]
+    write_draft_memory_plot([doc, _curve_doc(1, {(0.2, "allocated"): (4.0, 5.0)})], str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 10_000

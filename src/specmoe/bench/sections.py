@@ -43,18 +43,14 @@ def _bench(name: str, extra: Callable[[dict], str] | None = None) -> Callable[[d
 
 
 def _draft_memory(docs: dict[str, dict]) -> str:
-    """The goals per model and batch size, the curves' picture, the real-size run in full."""
+    """The goals per model and batch size, and the curves' picture."""
     parts = []
     for title, names in (("The demo model", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
-                         ("The translation model (decoder blocks draft)", ["draft-memory-translate-16.json"]),
-                         ("The real-size model", ["draft-memory-real-size-16.json"])):
+                         ("The translation model (its decoder blocks draft)", ["draft-memory-translate-16.json"])):
         present = [docs[n] for n in names if n in docs]
         if present:
             parts.append(f"### {title}\n\n" + tables.draft_memory_goals(present))
     parts.append("![tokens per step and throughput against draft memory](docs/draft-memory.png)\n")
-    if "draft-memory-real-size-16.json" in docs:
-        parts.append("### The real-size run\n\n" + report.markdown(docs["draft-memory-real-size-16.json"], "real-size",
-                                                                        heading=False))
     return "\n".join(parts)
 
 
@@ -78,7 +74,10 @@ REAL_SIZE_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1"
 REAL_SIZE_PAPER_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1"
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
-DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1 --anchors none"
+# 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
+DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
+DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 1 --anchors none"
+DRAFT_MEMORY_RUN_TRANSLATE = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1 --anchors none"
 SIMULATIONS = {
     "nllb": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27",
     "nllb-skew1.2": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27 --skew 1.2",
@@ -193,29 +192,27 @@ SECTIONS = (
     Section("draft-memory", "The draft under a memory budget",
             "`--draft-memory`: the draft's bytes, as a share of all expert bytes, added to the run's budget (30 % of "
             "the expert bytes + non-expert + KV) so that verification keeps the same pool at every point; held-out "
-            "prompts, 32 tokens, real disk tier, one torch thread, each run beside ondemand in one rotation. At each "
-            "point: each expert's way chosen (allocated: full precision, int8 .. int2 copies or substitution), one "
-            "format for the experts it can hold, most picked first, the rest substituted (int8 .. int2), and the "
-            "paper's draft of full-precision experts (paper). The goals: the allocator's tokens per step at least "
-            "the best single format's and twice the paper's. Curves: docs/draft-memory.png (python "
+            "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation (B = 1: four "
+            "prompts one after another; B = 64: 48 tokens and no 5 % point, for time). At each point: each "
+            "expert's way chosen (allocated: full precision, int8 .. int2 copies or substitution), one format for "
+            "the experts it can hold, most picked first, the rest substituted (int8 .. int2), and the paper's "
+            "draft of full-precision experts (paper). The goals: the allocator's tokens per step at least the best "
+            "single format's and twice the paper's. The curves: docs/draft-memory.png (python "
             "benchmarks/plot_draft_memory.py docs/draft-memory.png bench-results/draft-memory-*.json).",
-            (*(Run(f"draft-memory-{b}.json", f"specmoe bench --no-grid --ablation draft-memory --ablation-batch-size "
-                   f"{b} {DRAFT_MEMORY_RUN} --json {{out}}/draft-memory-{b}.json",
+            (*(Run(f"draft-memory-{b}.json", f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory "
+                   f"{shares} --ablation-batch-size {b} {run} --json {{out}}/draft-memory-{b}.json",
                    f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size "
-                   f"{s} {BENCH_SMOKE} --anchors none --json {{out}}/draft-memory-{b}.json")
-               for b, s in ((1, 1), (16, 2), (64, 4))),
+                   f"{smoke} {BENCH_SMOKE} --anchors none --json {{out}}/draft-memory-{b}.json")
+               for b, smoke, shares, run in ((1, 1, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 4"),
+                                             (16, 2, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 1"),
+                                             (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64))),
              Run("draft-memory-translate-16.json", "specmoe bench --model specmoe-demo-translate --prompts-file "
-                 "benchmarks/prompts/translate_heldout.jsonl --no-grid --ablation draft-memory --ablation-batch-size "
-                 f"16 {DRAFT_MEMORY_RUN} --json {{out}}/draft-memory-translate-16.json",
+                 "benchmarks/prompts/translate_heldout.jsonl --no-grid --ablation draft-memory --ablation-draft-memory "
+                 f"5%,10%,20%,40% --ablation-batch-size 16 {DRAFT_MEMORY_RUN_TRANSLATE} "
+                 "--json {out}/draft-memory-translate-16.json",
                  "specmoe bench --model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
                  f"--no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size 2 {BENCH_SMOKE} "
-                 "--anchors none --json {out}/draft-memory-translate-16.json"),
-             Run("draft-memory-real-size-16.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
-                 "{out}/real-size-k8-m16 --no-grid --ablation draft-memory --ablation-draft-memory 10%,20% "
-                 f"--ablation-batch-size 16 {DRAFT_MEMORY_RUN} --json {{out}}/draft-memory-real-size-16.json",
-                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
-                 f"draft-memory --ablation-draft-memory 20% --ablation-batch-size 2 {BENCH_SMOKE} --anchors none "
-                 "--json {out}/draft-memory-real-size-16.json")),
+                 "--anchors none --json {out}/draft-memory-translate-16.json")),
             lambda docs: _draft_memory(docs)),
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
