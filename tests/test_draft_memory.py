@@ -294,8 +294,8 @@ def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_t
                           (0.2, "allocated"): (9.0, 40.0), (0.2, "int4"): (10.0, 45.0), (0.2, "paper"): (2.0, 9.0)})
     rows = [line.strip("| ").split(" | ") for line in draft_memory_goals([doc]).splitlines()[2:]]
     small, large = rows
-    assert small[5:11] == ["int2 2.00", "1.50x", "yes", "does not fit", "–", "–"]
+    assert small[5:11] == ["int2 2.00", "1.500x", "yes", "does not fit", "–", "–"]
     assert small[4] == "2.00x"  # 20 tok/s against ondemand's 10
-    assert large[5:11] == ["int4 10.00", "0.90x", "no", "2.00", "4.50x", "yes"]
+    assert large[5:11] == ["int4 10.00", "0.900x", "no", "2.00", "4.50x", "yes"]
     write_draft_memory_plot([doc, _curve_doc(1, {(0.2, "allocated"): (4.0, 5.0)})], str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 10_000

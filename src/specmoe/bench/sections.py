@@ -77,7 +77,6 @@ BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
 DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
 DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 1 --anchors none"
-DRAFT_MEMORY_RUN_TRANSLATE = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1 --anchors none"
 SIMULATIONS = {
     "nllb": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27",
     "nllb-skew1.2": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27 --skew 1.2",
@@ -208,7 +207,7 @@ SECTIONS = (
                                              (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64))),
              Run("draft-memory-translate-16.json", "specmoe bench --model specmoe-demo-translate --prompts-file "
                  "benchmarks/prompts/translate_heldout.jsonl --no-grid --ablation draft-memory --ablation-draft-memory "
-                 f"5%,10%,20%,40% --ablation-batch-size 16 {DRAFT_MEMORY_RUN_TRANSLATE} "
+                 f"5%,10%,20%,40% --ablation-batch-size 16 {DRAFT_MEMORY_RUN} --prompt-batches 1 "
                  "--json {out}/draft-memory-translate-16.json",
                  "specmoe bench --model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
                  f"--no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size 2 {BENCH_SMOKE} "

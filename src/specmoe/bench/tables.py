@@ -437,7 +437,7 @@ def draft_memory_goals(docs: list[dict]) -> str:
             rows.append([str(batch), f"{share:.0%}", _f(mine["tokens_per_step"], "{:.2f}"),
                          _f(mine.get("acceptance_rate"), "{:.2f}"), x_ondemand(mine),
                          f"{best[0]} {_f(best[1]['tokens_per_step'], '{:.2f}')}" if best[1] else "–",
-                         _f(vs_best, "{:.2f}x"), "yes" if vs_best is not None and vs_best >= 1.0 else "no",
+                         _f(vs_best, "{:.3f}x"), "yes" if vs_best is not None and vs_best >= 1.0 else "no",
                          _f(paper["tokens_per_step"], "{:.2f}") if paper else "does not fit",
                          _f(vs_paper, "{:.2f}x"),
                          "–" if vs_paper is None else ("yes" if vs_paper >= 2.0 else "no")])
