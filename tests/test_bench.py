@@ -238,6 +238,8 @@ def test_default_budget_adds_the_kv_cache_so_experts_keep_their_share():
     info = {"non_expert_bytes": 1000, "kv_bytes_per_token": 10, "expert_bytes_total": 10_000}
     assert default_budget(info, batch_size=4, max_model_len=50) == 1000 + 2000 + 3000
     assert default_budget(info, 16, 50) - default_budget(info, 4, 50) == 10 * 12 * 50
+    # an encoder-decoder also keeps its source's cross-attention K/V per sequence
+    assert default_budget({**info, "kv_cross_bytes_per_source_token": 7}, 4, 50) - default_budget(info, 4, 50) == 7 * 4 * 50
 
 
 # --- BENCHMARKS.md from saved JSON ----------------------------------------------------------------

@@ -77,7 +77,10 @@ def max_model_len_for(prompts: list[list[int]], max_tokens: int, gamma: int, max
 
 
 def default_budget(info: dict, batch_size: int, max_model_len: int, fraction: float = EXPERT_FRACTION) -> int:
-    return int(info["non_expert_bytes"] + info["kv_bytes_per_token"] * batch_size * max_model_len
+    """Non-expert bytes + the KV cache (an encoder-decoder's cross-attention K/V of its source
+    too, as the engine reserves it) + `fraction` of the expert bytes."""
+    per_position = info["kv_bytes_per_token"] + info.get("kv_cross_bytes_per_source_token", 0)
+    return int(info["non_expert_bytes"] + per_position * batch_size * max_model_len
                + fraction * info["expert_bytes_total"])
 
 

@@ -95,6 +95,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),
             encoder_moe_blocks=list(c.encoder_moe_layer_ids), decoder_moe_blocks=list(c.draft_layer_ids),
             decoder_start_token_id=c.seq2seq.decoder_start_token_id,
+            # each decoder layer also keeps the source's cross-attention K/V (kv_elements_per_sequence)
+            kv_cross_bytes_per_source_token=len(c.decoder_layer_ids) * c.attention.kv_elements_per_token * elem,
         )
     info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device))
     if draft_quant and draft_quant not in ("none", "auto"):
