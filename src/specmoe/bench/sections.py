@@ -50,7 +50,7 @@ def _draft_memory(docs: dict[str, dict]) -> str:
         present = [docs[n] for n in names if n in docs]
         if present:
             parts.append(f"### {title}\n\n" + tables.draft_memory_goals(present))
-    parts.append("![tokens per step and throughput against draft memory](docs/draft-memory.png)\n")
+    parts.append("![the demo model: tokens per step and throughput against draft memory](docs/draft-memory.png)\n")
     return "\n".join(parts)
 
 
@@ -196,8 +196,8 @@ SECTIONS = (
             "expert's way chosen (allocated: full precision, int8 .. int2 copies or substitution), one format for "
             "the experts it can hold, most picked first, the rest substituted (int8 .. int2), and the paper's "
             "draft of full-precision experts (paper). The goals: the allocator's tokens per step at least the best "
-            "single format's and twice the paper's. The curves: docs/draft-memory.png (python "
-            "benchmarks/plot_draft_memory.py docs/draft-memory.png bench-results/draft-memory-*.json).",
+            "single format's and twice the paper's. The demo model's curves: docs/draft-memory.png (python "
+            "benchmarks/plot_draft_memory.py docs/draft-memory.png bench-results/draft-memory-{1,16,64}.json).",
             (*(Run(f"draft-memory-{b}.json", f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory "
                    f"{shares} --ablation-batch-size {b} {run} --json {{out}}/draft-memory-{b}.json",
                    f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size "
