@@ -288,7 +288,7 @@ def _curve_doc(batch: int, points: dict) -> dict:
 
 def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_the_papers_draft(tmp_path):
     from specmoe.bench.plot import write_draft_memory_plot
-    from specmoe.bench.tables import draft_memory_goals
+    from specmoe.bench.draft_memory import draft_memory_goals
 
     doc = _curve_doc(16, {(0.05, "allocated"): (3.0, 20.0), (0.05, "int2"): (2.0, 15.0), (0.05, "int8"): (1.5, 30.0),
                           (0.2, "allocated"): (9.0, 40.0), (0.2, "int4"): (10.0, 45.0), (0.2, "paper"): (2.0, 9.0)})

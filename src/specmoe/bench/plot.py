@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .draft_memory import draft_memory_points
+
 MARKERS = {"resident": "s", "ondemand": "o", "overlap": "^", "caching": "D", "host": "v", "specmoe": "*"}
 
 
@@ -159,9 +161,7 @@ def write_draft_memory_plot(docs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .tables import _draft_memory_points
-
-    curves = sorted((_draft_memory_points(d) for d in docs), key=lambda t: t[0])
+    curves = sorted((draft_memory_points(d) for d in docs), key=lambda t: t[0])
     fig, axes = plt.subplots(2, len(curves), figsize=(5.2 * len(curves), 7.5), squeeze=False)
     for col, (batch, base, points) in enumerate(curves):
         top, bottom = axes[0][col], axes[1][col]

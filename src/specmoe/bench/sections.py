@@ -10,29 +10,13 @@ Prose here says what a section measures and how; every figure comes from a docum
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import gguf_tables, replicas, report, tables, translate, validate
+from . import draft_memory, gguf_tables, replicas, report, tables, translate, validate
+from .section import BENCH_SMOKE, Run, Section
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
-
-
-@dataclass(frozen=True)
-class Run:
-    output: str  # file name in the results dir
-    command: str  # {out}: the results dir
-    smoke: str  # the same path in seconds, to prove the command works
-
-
-@dataclass(frozen=True)
-class Section:
-    name: str  # marker name in BENCHMARKS.md
-    title: str
-    about: str
-    runs: tuple[Run, ...]
-    render: Callable[[dict[str, dict]], str]  # {output: document} -> markdown
 
 
 def _bench(name: str, extra: Callable[[dict], str] | None = None) -> Callable[[dict[str, dict]], str]:
@@ -40,18 +24,6 @@ def _bench(name: str, extra: Callable[[dict], str] | None = None) -> Callable[[d
         doc = docs[name]
         return report.markdown(doc, name, heading=False) + ("\n" + extra(doc) if extra else "")
     return render
-
-
-def _draft_memory(docs: dict[str, dict]) -> str:
-    """The goals per model and batch size, and the curves' picture."""
-    parts = []
-    for title, names in (("The demo model", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
-                         ("The translation model (its decoder blocks draft)", ["draft-memory-translate-16.json"])):
-        present = [docs[n] for n in names if n in docs]
-        if present:
-            parts.append(f"### {title}\n\n" + tables.draft_memory_goals(present))
-    parts.append("![the demo model: tokens per step and throughput against draft memory](docs/draft-memory.png)\n")
-    return "\n".join(parts)
 
 
 def _grid_extra(doc: dict) -> str:
@@ -73,10 +45,6 @@ REAL_SIZE_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1"
 # the paper's draft: slower than ondemand at this size, so shorter runs and no B = 64
 REAL_SIZE_PAPER_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1"
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
-BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"
-# 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
-DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
-DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 1 --anchors none"
 SIMULATIONS = {
     "nllb": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27",
     "nllb-skew1.2": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27 --skew 1.2",
@@ -188,31 +156,7 @@ SECTIONS = (
                  "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 2 "
                  f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),),
             _bench("gamma-real-size.json")),
-    Section("draft-memory", "The draft under a memory budget",
-            "`--draft-memory`: the draft's bytes, as a share of all expert bytes, added to the run's budget (30 % of "
-            "the expert bytes + non-expert + KV) so that verification keeps the same pool at every point; held-out "
-            "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation (B = 1: four "
-            "prompts one after another; B = 64: 48 tokens and no 5 % point, for time). At each point: each "
-            "expert's way chosen (allocated: full precision, int8 .. int2 copies or substitution), one format for "
-            "the experts it can hold, most picked first, the rest substituted (int8 .. int2), and the paper's "
-            "draft of full-precision experts (paper). The goals: the allocator's tokens per step at least the best "
-            "single format's and twice the paper's. The demo model's curves: docs/draft-memory.png (python "
-            "benchmarks/plot_draft_memory.py docs/draft-memory.png bench-results/draft-memory-{1,16,64}.json).",
-            (*(Run(f"draft-memory-{b}.json", f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory "
-                   f"{shares} --ablation-batch-size {b} {run} --json {{out}}/draft-memory-{b}.json",
-                   f"specmoe bench --no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size "
-                   f"{smoke} {BENCH_SMOKE} --anchors none --json {{out}}/draft-memory-{b}.json")
-               for b, smoke, shares, run in ((1, 1, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 4"),
-                                             (16, 2, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 1"),
-                                             (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64))),
-             Run("draft-memory-translate-16.json", "specmoe bench --model specmoe-demo-translate --prompts-file "
-                 "benchmarks/prompts/translate_heldout.jsonl --no-grid --ablation draft-memory --ablation-draft-memory "
-                 f"5%,10%,20%,40% --ablation-batch-size 16 {DRAFT_MEMORY_RUN} --prompt-batches 1 "
-                 "--json {out}/draft-memory-translate-16.json",
-                 "specmoe bench --model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
-                 f"--no-grid --ablation draft-memory --ablation-draft-memory 20% --ablation-batch-size 2 {BENCH_SMOKE} "
-                 "--anchors none --json {out}/draft-memory-translate-16.json")),
-            lambda docs: _draft_memory(docs)),
+    draft_memory.SECTION,
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
             "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "
