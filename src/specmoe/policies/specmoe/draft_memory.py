@@ -53,17 +53,13 @@ class DraftMemory:
     def __init__(self, runtime, cache: Path, draft_experts: int | None):
         opts, c = runtime.options, runtime.config
         self.runtime, self.cache = runtime, cache
-        self.limit = draft_memory_bytes(opts.draft_memory, runtime.budget.limit)
-        ways = draft_ways(opts.draft_quant, c.expert_quant)
         self.layers = list(c.draft_layer_ids)
-        errors = cached_errors(runtime.checkpoint, cache, ways)
-        self.measured = errors is not None
-        self.errors = errors or default_errors(self.layers)  # per block, as measured
-        nbytes, self.scratch = way_bytes(c, ways, runtime.slot_bytes, runtime.device, runtime.dtype)
-        self.options = Options(nbytes, mean_errors(self.errors), ways)
-        plan = start_plan(c, self.options, self.limit, self.scratch, runtime.slot_bytes, opts.draft_quant, draft_experts)
+        start = Start(runtime.checkpoint, opts.draft_memory, runtime.budget.limit, runtime.slot_bytes,
+                      runtime.device, runtime.dtype, opts.draft_quant, cache, draft_experts)
+        self.limit, self.scratch, self.options, plan = start.limit, start.scratch, start.options, start.plan
+        self.measured = start.errors is not None
         self.full_per_block = plan.full_per_block
-        self.copy_budget = self.limit - self.scratch - self.full_per_block * len(self.layers) * runtime.slot_bytes
+        self.copy_budget = self.limit - self.scratch - start.full_bytes
         runtime.budget.reserve("draft copies", self.copy_budget,
                                hint=f" (--draft-memory {format_bytes(self.limit)} less its full-precision experts)")
         if self.scratch:
@@ -89,7 +85,6 @@ class DraftMemory:
         counts = {layer: picks[layer].tolist() for layer in self.layers}
         if not self.measured and set(self.rows) == set(self.layers):
             save_errors(ckpt, self.cache, self.rows)
-            self.errors = self.rows
             self.options = Options(self.options.nbytes, mean_errors(self.rows), self.options.allowed)
             self.measured, self.rows = True, {}
         allocation = allocate(pick_shares(counts), self.options, self.copy_budget, full, at_least_one=True)
@@ -108,22 +103,31 @@ class DraftMemory:
                 "draft_errors_measured": self.measured}
 
 
+class Start:
+    """What a draft of `value` (--draft-memory) holds when the engine starts, before routing
+    is seen: its bytes, scratch, ways with their (cached or prior) errors, and `plan`."""
+
+    def __init__(self, ckpt, value, budget_limit: int | None, slot_bytes: int, device, dtype, draft_quant: str,
+                 cache: Path | None, draft_experts: int | None = None):
+        c = ckpt.config
+        self.limit = draft_memory_bytes(value, budget_limit)
+        ways = draft_ways(draft_quant, c.expert_quant)
+        self.errors = cached_errors(ckpt, cache, ways)  # None: not measured yet
+        nbytes, self.scratch = way_bytes(c, ways, slot_bytes, device, dtype)
+        self.options = Options(nbytes, mean_errors(self.errors or default_errors(c.draft_layer_ids)), ways)
+        self.plan = start_plan(c, self.options, self.limit, self.scratch, slot_bytes, draft_quant, draft_experts)
+        self.full_bytes = self.plan.full_per_block * len(c.draft_layer_ids) * slot_bytes
+
+
 def describe(ckpt, value, budget_limit: int | None, slot_bytes: int, device, dtype, draft_quant: str,
              cache: Path | None) -> dict:
-    """What a draft of `value` (--draft-memory) would hold when the engine starts, before
-    routing is seen (`specmoe info --draft-memory`)."""
-    c = ckpt.config
-    limit = draft_memory_bytes(value, budget_limit)
-    ways = draft_ways(draft_quant, c.expert_quant)
-    errors = cached_errors(ckpt, cache, ways)
-    nbytes, scratch = way_bytes(c, ways, slot_bytes, device, dtype)
-    options = Options(nbytes, mean_errors(errors or default_errors(c.draft_layer_ids)), ways)
-    plan = start_plan(c, options, limit, scratch, slot_bytes, draft_quant)
-    full_bytes = plan.full_per_block * len(c.draft_layer_ids) * slot_bytes
-    return {"draft_memory": limit, "draft_holds": plan.count(), "draft_full_per_block": plan.full_per_block,
-            "draft_full_bytes": full_bytes, "draft_copies_bytes": plan.nbytes - full_bytes,
-            "draft_scratch_bytes": scratch,
-            "draft_errors": "measured" if errors else "prior (measured on the first prefill, then cached)",
+    """`specmoe info --draft-memory`: what the draft would hold when the engine starts."""
+    start = Start(ckpt, value, budget_limit, slot_bytes, device, dtype, draft_quant, cache)
+    plan = start.plan
+    return {"draft_memory": start.limit, "draft_holds": plan.count(), "draft_full_per_block": plan.full_per_block,
+            "draft_full_bytes": start.full_bytes, "draft_copies_bytes": plan.nbytes - start.full_bytes,
+            "draft_scratch_bytes": start.scratch,
+            "draft_errors": "measured" if start.errors else "prior (measured on the first prefill, then cached)",
             "draft_note": "before routing is seen: the copies are chosen again from the picks after each prefill"}
 
 
@@ -146,11 +150,8 @@ def start_plan(config, options: Options, limit: int, scratch: int, slot_bytes: i
     uniform = pick_shares({layer: [0] * config.num_experts for layer in layers})
     most = config.num_experts - 1 if draft_quant == "none" else config.num_experts // 4
     fewest = 1 if draft_quant == "none" else 0
-    plan = None
-    for n in ([draft_experts] if draft_experts is not None else range(fewest, most + 1)):
-        candidate = _with_full(uniform, options, limit - scratch, slot_bytes, n)
-        if candidate is not None and (plan is None or candidate.cost < plan.cost - 1e-12):
-            plan = candidate
+    fewest, most = (draft_experts, draft_experts) if draft_experts is not None else (fewest, most)
+    plan = choose_full(uniform, options, limit - scratch, slot_bytes, most, fewest)
     if plan is None or not all(plan.covered(layer) for layer in layers):
         cheapest = min(options.nbytes[w] for w in options.ways())
         need = max(fewest * slot_bytes, cheapest) * len(layers) + scratch
@@ -160,12 +161,3 @@ def start_plan(config, options: Options, limit: int, scratch: int, slot_bytes: i
             f"to at least {format_bytes(need)}" +
             ("" if draft_quant in ("auto", "int2") else " or allow lower-bit copies (--draft-quant auto)"))
     return plan
-
-
-def _with_full(shares, options: Options, budget: int, slot_bytes: int, n: int) -> Allocation | None:
-    """The allocation with n full-precision experts per block, or None if they do not fit."""
-    if n and FULL not in options.ways():
-        return None
-    a = choose_full(shares, options, budget, slot_bytes, n, fewest=n)
-    return a if a is not None and a.full_per_block == n else None
-
