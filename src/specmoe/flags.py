@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "--draft-memory: that precision only, for the experts it holds)")
     p.add_argument("--draft-memory", help="device bytes the draft may hold, e.g. 400MiB, or a share of the device "
                    "budget, e.g. 20%%: quantized copies and full-precision draft experts chosen expert by expert "
-                   "from how often each is picked (specmoe; default: --draft-quant's rule)")
+                   "from how often each is picked; auto: the split with verification's pool predicted fastest for "
+                   "this batch size (specmoe; default: --draft-quant's rule)")
     p.add_argument("--draft-dense", default="auto",
                    help="auto (where this CPU multiplies bfloat16 faster) | bfloat16 | none: the draft's attention "
                    "projections and LM head in bfloat16, kept so where the checkpoint stores them so (specmoe)")

@@ -19,17 +19,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..base.errors import SpecMoEError, warn
-from ..base.paths import cache_dir
+from ..base.paths import cache_dir, offload_dir
 from ..costmodel.cost_model import Scenario
 from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
 from ..costmodel.shapes import as_run, shape_of
-from ..experts.quant import draft_copy_bytes, draft_modes
+from ..experts.quant import BITS, draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from . import history, speeds
 from .calibrate import calibrate, disk_variant
+from .draft_split import choose_split
 
 LOCAL_PROFILE = "local"
 
@@ -88,6 +89,48 @@ def _model_inputs(runtime):
 
 
 def choose(runtime) -> tuple:
+    """(EngineConfig with what was `auto` chosen, a one-line description of the plan) for
+    this runtime's model and budget: the policy and its knobs (`--policy auto`), then the
+    draft's share of the budget (`--draft-memory auto`, draft_split.py)."""
+    opts, described = runtime.options, []
+    if opts.policy == "auto":
+        opts, plan = choose_policy(runtime)
+        described.append(plan)
+    if opts.draft_memory == "auto":
+        if opts.policy == "specmoe":
+            opts, split = choose_draft_memory(replace(runtime, options=opts))
+            described.append(split)
+        else:  # the plan chose a policy without a draft
+            opts = replace(opts, draft_memory=None)
+    return opts, "; ".join(described)
+
+
+def choose_draft_memory(runtime) -> tuple:
+    """(EngineConfig with --draft-memory and --draft-quant chosen, its description)."""
+    opts, c = runtime.options, runtime.config
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
+    shape, kwargs = _model_inputs(runtime)
+    sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
+    room = runtime.budget.available() if runtime.budget.limit is not None else None
+    if room is None:
+        raise SpecMoEError("--draft-memory auto splits a device budget between the draft and verification: "
+                           "give --device-memory too, or --draft-memory as a size")
+    fused = _fused_modes(runtime)
+    cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
+    best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,
+                           runtime.dtype, cache, opts.max_batch_size, opts.gamma,
+                           history.measured(runtime.checkpoint.fingerprint()), fused)
+    return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)
+
+
+def _fused_modes(runtime) -> tuple[str, ...]:
+    """The copy formats this device multiplies with a fused kernel (no dequantized scratch)."""
+    c = runtime.config
+    return tuple(mode for mode in draft_modes(c.expert_quant, tuple(BITS))
+                 if not draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)[1])
+
+
+def choose_policy(runtime) -> tuple:
     """(EngineConfig with the chosen policy and its knobs, a one-line description of the
     plan) for this runtime's model and budget."""
     opts = runtime.options

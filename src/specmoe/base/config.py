@@ -63,7 +63,8 @@ class EngineConfig:
     draft_dense: str = "auto"
     # device bytes the draft may hold (its quantized copies and full-precision draft experts),
     # chosen expert by expert (policies/specmoe/allocation.py); "20%": a share of the device
-    # budget; None: the --draft-quant rule above (copies of every expert, or the paper's draft)
+    # budget; auto: the split with verification's pool predicted fastest (autotune/draft_split.py);
+    # None: the --draft-quant rule above (copies of every expert, or the paper's draft)
     draft_memory: int | str | None = None
     cache_fraction: float = 0.1
     trace: str | None = None
@@ -77,7 +78,7 @@ class EngineConfig:
             _choice(name, getattr(self, name), allowed)
         if self.device_memory is not None and expert_share(self.device_memory) is None:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory, "device_memory"))
-        if self.draft_memory is not None and budget_share(self.draft_memory, "draft_memory") is None:
+        if self.draft_memory not in (None, "auto") and budget_share(self.draft_memory, "draft_memory") is None:
             object.__setattr__(self, "draft_memory", parse_size(self.draft_memory, "draft_memory"))
         if self.offload_bandwidth is not None:
             object.__setattr__(self, "offload_bandwidth", parse_rate(self.offload_bandwidth))

@@ -13,11 +13,15 @@ from ..base.config import MAX_GAMMA
 from ..base.errors import SpecMoEError
 
 ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compute", "draft-quant", "draft-dense",
-             "draft-memory")
+             "draft-memory", "draft-split")
 # the draft-memory curve: draft bytes as shares of all expert bytes, and what holds them
 DRAFT_MEMORY_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
 DRAFT_MEMORY_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"), ("int3", "int3"), ("int2", "int2"),
                      ("paper", "none"))
+# the draft-split curve: one budget, the draft's share of what it leaves for experts, and
+# what holds it (the allocator's mix, or one fused copy format); plus --draft-memory auto
+DRAFT_SPLIT_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+DRAFT_SPLIT_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"))
 
 # The paper's ablations are of its draft: N full-precision experts per block plus substitutes.
 # They run with draft_quant="none" whatever the run's --draft-quant (quantized copies of
@@ -42,6 +46,9 @@ WHAT = {
                     "budget so that verification keeps the same pool): each expert's precision chosen (allocated), "
                     "one precision for the experts it can hold (int8 .. int2, the rest substituted), or the "
                     "paper's full-precision draft experts (paper)",
+    "draft-split": "one device budget split between the draft and verification's pool: --draft-memory as a share of "
+                   "the bytes the budget leaves for experts, held as the allocator chooses (allocated) or in one "
+                   "copy format (int8, int4), and the split --draft-memory auto predicts fastest (planner)",
 }
 
 
@@ -66,8 +73,8 @@ def parse_ablations(text: str | None) -> list[str]:
 
 def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None,
              expert_bytes: int = 0, shares: list[float] | None = None) -> list[Variant]:
-    """The ablation's specmoe variants; `expert_bytes`: all expert bytes (the draft-memory curve's unit),
-    `shares`: the draft-memory curve's points (None: DRAFT_MEMORY_SHARES)."""
+    """The ablation's specmoe variants; `expert_bytes`: the draft-memory curve's unit (all expert bytes;
+    draft-split: what the budget leaves for experts), `shares`: the curve's points (None: its default list)."""
     if name == "draft-set":
         return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
@@ -89,6 +96,12 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
         return [Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
                         {"draft_memory_share": share, "draft_way": label})
                 for share in shares for label, quant in DRAFT_MEMORY_WAYS]
+    if name == "draft-split":  # expert_bytes: the bytes the run's budget leaves for experts
+        shares = shares or ((0.2, 0.7) if quick else DRAFT_SPLIT_SHARES)
+        return [Variant("planner", {"draft_memory": "auto"}, {"draft_way": "planner"})] + [
+            Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
+                    {"draft_split_share": share, "draft_way": label})
+            for share in shares for label, quant in DRAFT_SPLIT_WAYS]
     if name == "draft-dense":
         return [Variant(f"dense {d}", {"draft_dense": d}, {"draft_dense": d}) for d in ("none", "bfloat16")]
     raise ValueError(name)

@@ -78,7 +78,8 @@ def register(subparsers) -> None:
     p.add_argument("--ablation-gammas", help="the gamma ablation's draft lengths, comma-separated (default 1 to 10, "
                    "16, 24, 32; --quick: 1,3,5,10)")
     p.add_argument("--ablation-draft-memory", help="the draft-memory ablation's draft memories as shares of all "
-                   "expert bytes, comma-separated, e.g. 10%%,20%% (default 2%%,5%%,10%%,20%%,40%%; --quick: 5%%,20%%)")
+                   "expert bytes, comma-separated, e.g. 10%%,20%% (default 2%%,5%%,10%%,20%%,40%%; --quick: 5%%,20%%); "
+                   "draft-split's as shares of what the budget leaves for experts (default 10%% .. 90%%)")
     p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
     p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
     p.add_argument("--trace-dir", help="write each run's routing/timing trace to DIR/<policy>-b<B>.jsonl")
@@ -202,8 +203,9 @@ def settings_from_args(args) -> Settings:
                            "the experts live, and needs --offload host")
     if args.ablation_gammas and "gamma" not in ablations:
         raise SpecMoEError("--ablation-gammas sets the gamma ablation's draft lengths: add --ablation gamma")
-    if args.ablation_draft_memory and "draft-memory" not in ablations:
-        raise SpecMoEError("--ablation-draft-memory sets the draft-memory ablation's points: add --ablation draft-memory")
+    if args.ablation_draft_memory and not {"draft-memory", "draft-split"} & set(ablations):
+        raise SpecMoEError("--ablation-draft-memory sets the draft-memory and draft-split ablations' points: add "
+                           "--ablation draft-memory or draft-split")
     if args.no_grid and not ablations:
         raise SpecMoEError("--no-grid leaves nothing to run: add --ablation NAME")
     if args.offload_bandwidth is not None:

@@ -242,8 +242,10 @@ class Suite:
         base_budget = self._budget(batch, max_len)
         builders = [self._policy_builder("ondemand", "ondemand", prompts, batch, max_len, base_budget,
                                          f"{name}-ondemand-b{batch}", {"variant": "ondemand"})]
-        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, info["expert_bytes_total"],
-                          s.ablation_shares):
+        unit = info["expert_bytes_total"]
+        if name == "draft-split":  # what the budget leaves for experts
+            unit = base_budget - info["non_expert_bytes"] - info["kv_bytes_per_token"] * batch * max_len
+        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, unit, s.ablation_shares):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
             budget = self._budget(batch, v_len)
@@ -254,7 +256,7 @@ class Suite:
                 if need > budget:
                     budget = need
                     fields["budget_raised_to_fit_draft_experts"] = True
-            if "draft_memory" in v.options and s.device_memory is None:
+            if "draft_memory" in v.options and s.device_memory is None and name == "draft-memory":
                 budget += v.options["draft_memory"]  # the same pool for verification at every point
             builders.append(self._policy_builder(v.label, "specmoe", prompts, batch, v_len, budget,
                                                  f"{name}-{v.label}-b{batch}", fields, **v.options))

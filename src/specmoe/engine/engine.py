@@ -146,9 +146,10 @@ class Engine:
         runtime = Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights,
                           self.max_model_len)
         self.auto_plan = None
-        if options.policy == "auto":
+        tune_gamma = options.policy == "auto"
+        if options.policy == "auto" or options.draft_memory == "auto":
             if choose is None:
-                raise SpecMoEError("policy auto is chosen by the LLM API; build the engine through specmoe.LLM")
+                raise SpecMoEError("auto settings are chosen by the LLM API; build the engine through specmoe.LLM")
             options, self.auto_plan = choose(runtime)
             runtime.options = options
         self.options = options
@@ -159,8 +160,8 @@ class Engine:
         self.tracer = StepTracer(options.trace, self) if options.trace else None
         # router picks per expert, counted only while the server's live view is watched
         self.expert_load: ExpertLoad | None = None
-        # under auto, gamma follows measured tokens/s (the plan gives the first value)
-        self.decoder = SpeculativeDecoder(self, options.gamma, tune=self.auto_plan is not None) \
+        # under policy auto, gamma follows measured tokens/s (the plan gives the first value)
+        self.decoder = SpeculativeDecoder(self, options.gamma, tune=tune_gamma) \
             if self.policy.speculative else None
         release_free_memory()  # what building the weights, copies and tier freed, back to the system
 

@@ -1,0 +1,173 @@
+"""`--draft-memory auto`: how the device budget is split between the draft and
+verification's pool, chosen for this model, batch size and machine when the engine starts.
+
+A bigger draft accepts more tokens per step but leaves verification fewer pool slots,
+so each verify pass fetches more; its copies' format sets what a draft pass costs. Each
+candidate is a draft memory D, a share of the room the budget leaves for experts, with
+the ways its experts may be held: the allocator's mix (`--draft-quant auto`) or one copy
+format. Each is planned as the engine would start it (`Start`: the allocation before
+routing is seen, with its expected cost) and predicted in decode tokens/s:
+
+- tokens per step from the per-token acceptance an earlier run of this model measured
+  with that draft memory and ways (history.py), else from the allocation's expected cost
+  (`prior_acceptance`);
+- step time: gamma draft passes and one verify pass over B (gamma + 1) positions, each
+  its non-expert work from the cost model on this machine's calibrated profile plus its
+  experts at the time one expert of this model takes here, held each way (`time_experts`:
+  a fused int8 or int4 kernel, or the portable layout that dequantizes per call, which at
+  real sizes is many times slower than accuracy alone would say), and the verify pass's
+  fetches: the experts it picks beyond each block's N full-precision draft experts and
+  the share of the pool's other slots it keeps (the block's hottest), as far as
+  verification's compute does not hide them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..base.errors import SpecMoEError
+from ..base.units import format_bytes
+from ..costmodel.cost_model import Scenario, pass_work
+from ..costmodel.routing import tokens_per_step
+from ..policies.specmoe import WORKING_SLOTS
+from ..experts.quant import BITS, draft_kernel_choices, quantize_expert, quantized_expert_forward
+from ..model.moe import run_expert
+from ..policies.specmoe.allocation import FULL, SUBSTITUTE
+from ..policies.specmoe.draft_memory import Start, draft_ways
+from .measure import timed
+
+# Draft memories tried, as shares of the room the budget leaves for experts.
+SHARES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+# Per-token acceptance from the allocation's expected cost (a sum over blocks of each
+# pick's chance to change the drafted token): ACCEPTANCE_CEILING * exp(-cost / COST_SCALE),
+# least squares over five draft memories of the demo model (training prompts, B = 16, the
+# 30 % budget, gamma 16): costs 0.004 .. 3.6 measured 0.99 .. 0.48. A run's measured
+# acceptance replaces it for its draft.
+ACCEPTANCE_CEILING, COST_SCALE = 0.98, 5.0
+LEAST_VERIFY_SLOTS = WORKING_SLOTS + 1  # fewer than this and verification streams every expert twice
+TIE = 0.03  # predictions this close are equal: the model is not finer than that
+MIN_TIME_S = 0.05  # each expert timing repeated at least this long
+
+
+@dataclass(frozen=True)
+class SplitPoint:
+    """One candidate split, predicted."""
+
+    draft_memory: int
+    draft_quant: str  # the ways: auto (the allocator's mix) or one copy format
+    verify_slots: int  # pool slots beside the draft's full-precision experts
+    full_per_block: int
+    acceptance: float
+    measured: bool  # acceptance from an earlier run of this draft, not the prior
+    tokens_per_step: float
+    step_s: float
+    batch: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.tokens_per_step / self.step_s
+
+    def describe(self, room: int) -> str:
+        source = "measured" if self.measured else "prior"
+        return (f"draft memory {format_bytes(self.draft_memory)} ({self.draft_memory / room:.0%} of the expert room, "
+                f"{self.draft_quant}), {self.verify_slots} verify slots: {self.tokens_per_step:.2f} tokens/step "
+                f"({source}), {self.tokens_per_s:.1f} tok/s predicted")
+
+
+def prior_acceptance(cost: float) -> float:
+    return ACCEPTANCE_CEILING * math.exp(-cost / COST_SCALE)
+
+
+def history_key(draft_quant: str, draft_memory: int, expert_bytes: int) -> str:
+    """The draft's key in history.py: its ways and its memory in percent of the drafting
+    blocks' expert bytes (so that a budget given another way finds the same entry)."""
+    return f"memory@{100 * draft_memory / expert_bytes:.1f}%:{draft_quant}"
+
+
+def split_candidates(room: int, slot_bytes: int) -> list[int]:
+    """Draft memories that leave verification at least LEAST_VERIFY_SLOTS slots."""
+    return [int(share * room) for share in SHARES if room - int(share * room) >= LEAST_VERIFY_SLOTS * slot_bytes]
+
+
+def ways_to_try(config, fused_modes: tuple[str, ...]) -> tuple[str, ...]:
+    """The allocator's mix of every way, and each copy format this machine multiplies
+    with a fused kernel (the portable layout dequantizes a matrix per call: at real sizes
+    the allocator's accuracy-only choice can be many times slower)."""
+    return ("auto", *fused_modes)
+
+
+@dataclass(frozen=True)
+class ExpertTimes:
+    """Seconds one expert of this model takes here, held each way, on the rows a draft
+    pass gives it (`draft`) and on those a verify pass gives it (`verify`, full precision)."""
+
+    draft: dict[str, float]
+    verify: float
+
+
+@torch.no_grad()
+def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: int) -> ExpertTimes:
+    """One expert of the first drafting block, timed in full precision and as each
+    quantized copy in the layout this device multiplies it in (fused kernel or portable)."""
+    spec, layer = ckpt.config.expert, ckpt.config.draft_layer_ids[0]
+    exact = ckpt.expert_buffer(layer, 0, torch.float32)
+    full = exact.to(device, dtype)
+    x_draft = torch.randn(max(1, draft_rows), spec.hidden, device=device, dtype=dtype)
+    x_verify = torch.randn(max(1, verify_rows), spec.hidden, device=device, dtype=dtype)
+    times = {FULL: timed(lambda: run_expert(full, x_draft, spec), MIN_TIME_S)}
+    for mode in ways:
+        if mode != FULL:
+            copy = quantize_expert(exact, spec, BITS[mode]).to(device, draft_kernel_choices(spec, mode, device))
+            times[mode] = timed(lambda: quantized_expert_forward(x_draft, copy, spec), MIN_TIME_S)
+    return ExpertTimes(times, timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S))
+
+
+def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, gamma: int,
+            acceptance: float | None, times: ExpertTimes) -> SplitPoint:
+    """The split `start` describes, predicted on scenario `sc` with the experts' measured times."""
+    plan, s = start.plan, sc.shape
+    measured = acceptance is not None
+    a = acceptance if measured else prior_acceptance(plan.cost)
+    verify_slots = (room - start.limit) // slot_bytes
+    held = [how for how in plan.held.values() if how != SUBSTITUTE]  # a substituted pick runs one of these
+    per_expert = sum(times.draft[how] for how in held) / len(held)
+    L = gamma + 1
+    draft = pass_work(sc, batch, 1, 0, routed=False).time_s + s.step_moe_layers * sc.distinct(batch) * per_expert
+    verify = pass_work(sc, batch, L, 0, routed=False).time_s + s.step_moe_layers * sc.distinct(batch, L) * times.verify
+    kept = min(s.num_experts, plan.full_per_block + verify_slots // max(1, s.step_moe_layers))
+    xfer = s.step_moe_layers * sc.fetch_s(sc.distinct(batch, L, exclude_hottest=kept))
+    exposed = max(0.0, xfer - sc.hardware.transfer_overlap * verify)
+    quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
+    return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
+                      tokens_per_step(a, gamma), gamma * draft + verify + exposed, batch)
+
+
+def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
+                 batch: int, gamma: int, measured: dict[str, float],
+                 fused_modes: tuple[str, ...]) -> tuple[SplitPoint, list[SplitPoint]]:
+    """(the fastest predicted split, every split predicted)."""
+    c = ckpt.config
+    picks = batch * c.top_k
+    times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype, math.ceil(picks / sc.distinct(batch)),
+                         math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)))
+    expert_bytes = len(c.draft_layer_ids) * c.num_experts * slot_bytes
+    points = []
+    for ways in ways_to_try(c, fused_modes):
+        for memory in split_candidates(room, slot_bytes):
+            try:
+                start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache)
+            except SpecMoEError:
+                continue  # holds nothing in some block
+            if start.plan.nbytes + start.scratch > memory:
+                continue
+            seen = measured.get(history_key(ways, memory, expert_bytes))
+            points.append(predict(start, sc, room, slot_bytes, batch, gamma, seen, times))
+    if not points:
+        raise SpecMoEError(f"--draft-memory auto: the {format_bytes(room)} the budget leaves for experts hold no "
+                           f"draft beside {LEAST_VERIFY_SLOTS} verification slots; raise --device-memory")
+    top = max(p.tokens_per_s for p in points)
+    # within the model's resolution the least draft memory: more left to verification, fewer copies to make
+    return min((p for p in points if p.tokens_per_s >= (1 - TIE) * top), key=lambda p: p.draft_memory), points

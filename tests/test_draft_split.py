@@ -1,0 +1,176 @@
+"""--draft-memory auto: the split of one device budget between the draft and verification's
+pool. The candidates leave verification its slots; the prediction charges fewer slots with
+more fetches and a slow copy format with a slow draft; a run's measured acceptance
+replaces the prior for that draft; the chosen split gives the resident model's tokens
+inside the budget, measured on the tensors the engine holds; bad input is one line."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from factories import (
+    expert_share_budget,
+    install_fixed_profile,
+    random_prompts,
+    run_cli,
+    under_one_expert,
+    watch_device_bytes,
+)
+
+from specmoe import LLM, SamplingParams, SpecMoEError
+from specmoe.autotune import draft_split
+from specmoe.autotune.draft_split import (
+    LEAST_VERIFY_SLOTS,
+    ExpertTimes,
+    predict,
+    prior_acceptance,
+    split_candidates,
+)
+from specmoe.base.paths import cache_dir
+from specmoe.costmodel.cost_model import Scenario
+from specmoe.costmodel.hardware import load_profile
+from specmoe.costmodel.routing import tokens_per_step
+from specmoe.costmodel.shapes import as_run, shape_of
+from specmoe.policies.specmoe.allocation import FULL
+from specmoe.policies.specmoe.draft_memory import Start
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("room_slots", [2.5, 3.0, 3.4, 4.0, 7.9, 40.0])
+def test_every_candidate_leaves_verification_its_slots(room_slots):
+    slot = 3 * 1024 + 7
+    room = int(room_slots * slot)
+    got = split_candidates(room, slot)
+    assert all(0 < d < room for d in got)
+    assert all((room - d) // slot >= LEAST_VERIFY_SLOTS for d in got)
+    # every share that leaves the slots is tried: none is missing
+    want = [s for s in draft_split.SHARES if room - int(s * room) >= LEAST_VERIFY_SLOTS * slot]
+    assert len(got) == len(want)
+    if room_slots < LEAST_VERIFY_SLOTS:
+        assert got == []
+
+
+# (expected cost of the start plan, per-token acceptance measured): the allocator's draft on
+# the demo model, training prompts, B = 16, 30 % budget, disk tier, 48 tokens, at 20, 30, 40,
+# 50 and 70 % of the expert room (the fit behind ACCEPTANCE_CEILING and COST_SCALE)
+TRAINING_RUNS = [(3.59, 0.480), (0.383, 0.895), (0.0649, 0.940), (0.00808, 0.979), (0.00362, 0.987)]
+
+
+def test_the_prior_acceptance_falls_with_the_cost_and_follows_the_training_runs():
+    values = [prior_acceptance(c) for c in (0.0, 0.01, 0.2, 1.0, 3.0, 30.0)]
+    assert values[0] == draft_split.ACCEPTANCE_CEILING < 1
+    assert all(a > b for a, b in zip(values, values[1:]))
+    assert values[-1] < 0.01
+    for cost, measured in TRAINING_RUNS:
+        assert prior_acceptance(cost) == pytest.approx(measured, abs=0.03)
+
+
+# --- on a model -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    path = tiny_ckpt("mixtral")
+    prompts = random_prompts(6, 128, 3, 10, seed=5)
+    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
+    ref.generate(prompts, GREEDY)
+    budget = expert_share_budget(ref, 0.5, 6, 48)
+    ref.close()
+    return path, prompts, ref.last_stats["token_ids_sha256"], budget
+
+
+def split_llm(reference, tmp_path, **kw):
+    path, _, _, budget = reference
+    opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path), device_memory=budget,
+                max_batch_size=6, max_model_len=48, gamma=3, draft_memory="auto")
+    opts.update(kw)
+    return LLM(model=str(path), **opts)
+
+
+def test_the_chosen_split_gives_residents_tokens_inside_the_budget(reference, tmp_path):
+    _, prompts, sha, budget = reference
+    llm = split_llm(reference, tmp_path)
+    held = watch_device_bytes(llm.engine)  # every device tensor the engine holds, not its ledger
+    llm.generate(prompts, GREEDY)
+    stats, policy = llm.last_stats, llm.engine.policy
+    assert stats["token_ids_sha256"] == sha
+    assert held.excess(budget) <= under_one_expert(llm.config, 2)  # int2: the smallest copy here
+    assert stats["draft_memory"] == llm.engine.options.draft_memory > 0
+    assert stats["auto_plan"].startswith("draft memory ")
+    # verification keeps its slots: the pool's slots beside the draft's full-precision experts
+    full = sum(len(experts) for experts in policy.draft.values())
+    assert policy.pool.num_slots - full >= LEAST_VERIFY_SLOTS
+    llm.close()
+
+
+def test_a_measured_acceptance_replaces_the_prior_for_that_draft(reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+    install_fixed_profile(tmp_path / "cache")
+    _, prompts, sha, _ = reference
+    first = split_llm(reference, tmp_path)
+    assert first.engine.auto_plan.endswith("predicted") and "(prior)" in first.engine.auto_plan
+    first.generate(prompts, GREEDY)
+    recorded = first.last_stats["acceptance_per_token"]
+    memory, ways = first.engine.options.draft_memory, first.engine.options.draft_quant
+    first.close()
+    history = json.loads((cache_dir() / "acceptance.json").read_text())
+    (entries,) = history.values()
+    key = next(k for k in entries if k.startswith("memory@"))
+    assert key.endswith(f":{ways}") and entries[key]["acceptance"] == pytest.approx(recorded)
+    second = split_llm(reference, tmp_path)
+    plan = second.engine.auto_plan
+    if second.engine.options.draft_memory == memory:  # the same draft: now planned from what it measured
+        assert "(measured)" in plan
+        assert f"{tokens_per_step(recorded, 3):.2f} tokens/step" in plan
+    second.generate(prompts, GREEDY)
+    assert second.last_stats["token_ids_sha256"] == sha
+    second.close()
+
+
+def _scenario(llm, **hardware):
+    runtime = llm.engine.policy.runtime
+    hw = replace(load_profile("local"), **hardware)
+    shape = as_run(shape_of(runtime.config, "tiny"), runtime.dtype.itemsize, runtime.expert_format.storage_dtype.itemsize)
+    return Scenario(shape, hw, context_len=24)
+
+
+def test_fewer_verify_slots_predict_more_fetching_and_a_slow_copy_a_slower_draft(reference, tmp_path):
+    llm = split_llm(reference, tmp_path, draft_memory=None)  # only for its runtime
+    runtime = llm.engine.policy.runtime
+    slot, ckpt = runtime.slot_bytes, runtime.checkpoint
+    room = 60 * slot
+    sc = _scenario(llm, slow_tier_read_bw=1e6, transfer_overlap=1e-6)  # fetches dominate
+    start = Start(ckpt, 10 * slot, None, slot, runtime.device, runtime.dtype, "int8", None)
+    fast = ExpertTimes({FULL: 1e-4, "int8": 1e-4}, 2e-4)
+    roomy = predict(start, sc, room, slot, 6, 3, None, fast)
+    tight = predict(start, sc, 14 * slot, slot, 6, 3, None, fast)
+    assert roomy.verify_slots == 50 and tight.verify_slots == 4
+    assert tight.step_s > roomy.step_s and tight.tokens_per_step == roomy.tokens_per_step
+    slow = ExpertTimes({FULL: 1e-4, "int8": 1e-1}, 2e-4)
+    assert predict(start, sc, room, slot, 6, 3, None, slow).step_s > roomy.step_s + 3 * 1e-1  # gamma drafts
+    measured = predict(start, sc, room, slot, 6, 3, 0.5, fast)
+    assert measured.measured and measured.tokens_per_step == pytest.approx(tokens_per_step(0.5, 3))
+    llm.close()
+
+
+def test_without_a_device_budget_auto_is_a_one_line_error(reference, tmp_path):
+    with pytest.raises(SpecMoEError, match="--draft-memory auto splits a device budget.*--device-memory"):
+        split_llm(reference, tmp_path, device_memory=None)
+
+
+def test_a_budget_with_no_room_for_a_split_says_what_to_raise(reference, tmp_path):
+    path = reference[0]
+    tight = expert_share_budget(LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48), 0.05, 6, 48)
+    with pytest.raises(SpecMoEError) as err:
+        split_llm(reference, tmp_path, device_memory=tight)
+    assert "\n" not in str(err.value) and ("--device-memory" in str(err.value))
+
+
+def test_the_cli_takes_draft_memory_auto_and_says_what_it_chose(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "generate", "--policy", "specmoe", "--offload", "disk", "--offload-dir", tmp_path,
+                             "--device-memory", "30%", "--draft-memory", "auto", "--max-tokens", "4", "--json",
+                             "The built-in function len returns")
+    assert code == 0, err
+    stats = json.loads(out)["stats"]
+    assert stats["auto_plan"].startswith("draft memory ") and stats["draft_memory"] > 0
