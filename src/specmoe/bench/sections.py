@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import draft_memory, gguf_tables, replicas, report, tables, translate, validate
+from . import draft_memory, draft_split, gguf_tables, replicas, report, tables, translate, validate
 from .section import BENCH_SMOKE, Run, Section
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
@@ -157,6 +157,7 @@ SECTIONS = (
                  f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),),
             _bench("gamma-real-size.json")),
     draft_memory.SECTION,
+    draft_split.SECTION,
     Section("grid", "Main grid: every policy, real disk tier",
             "The bundled demo model, greedy, EOS ignored, budget = non-expert bytes + the KV cache reserved for the "
             "run + 30 % of expert bytes; policies interleaved after a warm-up; `auto` plans from the profile "

@@ -1,0 +1,76 @@
+"""BENCHMARKS.md's draft-split section: one device budget split between the draft and
+verification's pool (bench --ablation draft-split): the curve of tokens/s against the
+draft's share of the expert room for the allocator and each fused copy format, and the
+split `--draft-memory auto` chose, against the curve's best point (goal: within 5 %)."""
+
+from __future__ import annotations
+
+from .report import md_table
+from .section import BENCH_SMOKE, Run, Section
+from .tables import _f
+
+SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
+SPLIT_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1 --anchors none"
+REAL_SIZE = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep && "
+
+
+def split_points(doc: dict) -> tuple[int, dict | None, dict | None, list[dict]]:
+    """(batch size, ondemand's record, the planner's record, the curve's records)."""
+    entry = next(e for e in doc["ablations"] if e["ablation"] == "draft-split")
+    ok = [r for r in entry["records"] if not r.get("skipped")]
+    base = next((r for r in ok if r.get("policy") == "ondemand"), None)
+    planner = next((r for r in ok if r.get("draft_way") == "planner"), None)
+    curve = [r for r in ok if "draft_split_share" in r]
+    return entry["batch_size"], base, planner, curve
+
+
+def split_table(doc: dict) -> str:
+    """Every point of the curve and the planner's choice, each as a multiple of ondemand,
+    and the planner against the best point."""
+    batch, base, planner, curve = split_points(doc)
+
+    def row(name, r):
+        return [name, f"{r['draft_memory'] / 2**20:.1f} MiB", str(r.get("pool_slots", "–")),
+                _f(r["tokens_per_step"], "{:.2f}"), _f(r["decode_tokens_per_s"], "{:.1f}"),
+                f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if base else "–"]
+
+    rows = [row(f"{r['draft_way']} {r['draft_split_share']:.0%}", r)
+            for r in sorted(curve, key=lambda r: (r["draft_way"], r["draft_split_share"]))]
+    table = md_table(["draft (share of the expert room)", "draft memory", "pool slots", "tok/step", "tok/s",
+                      "× ondemand"], rows)
+    if planner is None or not curve:
+        return table + "\n"
+    best = max(curve, key=lambda r: r["decode_tokens_per_s"])
+    ratio = planner["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    verdict = "met" if ratio >= SPLIT_GOAL else "not met"
+    return (table + "\n" + md_table(["B", "planner's choice", "planner tok/s", "best point", "planner ÷ best",
+                                     f"≥ {SPLIT_GOAL}"],
+                                    [[str(batch), planner.get("auto_plan", "–"),
+                                      _f(planner["decode_tokens_per_s"], "{:.1f}"),
+                                      f"{best['draft_way']} {best['draft_split_share']:.0%} "
+                                      f"{best['decode_tokens_per_s']:.1f}", f"{ratio:.3f}x", verdict]]) + "\n")
+
+
+def draft_split_section(docs: dict[str, dict]) -> str:
+    parts = []
+    for title, name in (("The demo model, B = 16", "draft-split-16.json"),
+                        ("The real-size model, B = 16", "draft-split-real-size-16.json")):
+        if name in docs:
+            parts.append(f"### {title}\n\n" + split_table(docs[name]))
+    return "\n".join(parts)
+
+
+SECTION = Section(
+    "draft-split", "Splitting the budget between the draft and verification",
+    "One device budget (non-expert + KV + 30 % of the expert bytes), split: `--draft-memory` as a share of what it "
+    "leaves for experts (the expert room), held as the allocator chooses (allocated) or in one fused copy format "
+    "(int8, int4), the rest verification's pool; and `--draft-memory auto`, the split the planner predicts fastest "
+    "for this batch size (planner; autotune/draft_split.py; its plan says whether its tokens per step came from "
+    "the prior or from a run recorded earlier). Held-out "
+    "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation. The goal: the planner's "
+    "tokens/s within 5 % of the curve's best point.",
+    (Run("draft-split-16.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
+         f"20%,30%,50%,70%,90% --ablation-batch-size 16 {SPLIT_RUN} --json {{out}}/draft-split-16.json",
+         "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
+         f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-16.json"),),
+    draft_split_section)
