@@ -72,5 +72,14 @@ SECTION = Section(
     (Run("draft-split-16.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
          f"20%,30%,50%,70%,90% --ablation-batch-size 16 {SPLIT_RUN} --json {{out}}/draft-split-16.json",
          "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
-         f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-16.json"),),
+         f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-16.json"),
+     # at real size only from half the room up: below it the allocator's int3 / int2 copies take the
+     # portable path (about 1 tok/s here) and the curve would take hours
+     Run("draft-split-real-size-16.json", REAL_SIZE + "specmoe bench --model {out}/real-size-k8-m16 --no-grid "
+         "--ablation draft-split --ablation-draft-memory 50%,70%,90% --ablation-batch-size 16 "
+         f"{SPLIT_RUN} --json {{out}}/draft-split-real-size-16.json",
+         "python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 --expert-factor 2 --keep && "
+         "specmoe bench --model "
+         "{out}/real-size-k2-m2 --no-grid --ablation draft-split --ablation-draft-memory 90% --ablation-batch-size 2 "
+         f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-real-size-16.json")),
     draft_split_section)
