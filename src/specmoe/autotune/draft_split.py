@@ -32,9 +32,9 @@ from ..base.errors import SpecMoEError
 from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario, pass_work
 from ..costmodel.routing import tokens_per_step
-from ..policies.specmoe import WORKING_SLOTS
 from ..experts.quant import BITS, draft_kernel_choices, quantize_expert, quantized_expert_forward
 from ..model.moe import run_expert
+from ..policies.specmoe import WORKING_SLOTS
 from ..policies.specmoe.allocation import FULL, SUBSTITUTE
 from ..policies.specmoe.draft_memory import Start, draft_ways
 from .measure import timed
@@ -94,7 +94,7 @@ def split_candidates(room: int, slot_bytes: int) -> list[int]:
     return [int(share * room) for share in SHARES if room - int(share * room) >= LEAST_VERIFY_SLOTS * slot_bytes]
 
 
-def ways_to_try(config, fused_modes: tuple[str, ...]) -> tuple[str, ...]:
+def ways_to_try(fused_modes: tuple[str, ...]) -> tuple[str, ...]:
     """The allocator's mix of every way, and each copy format this machine multiplies
     with a fused kernel (the portable layout dequantizes a matrix per call: at real sizes
     the allocator's accuracy-only choice can be many times slower)."""
@@ -157,14 +157,12 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
                          math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)))
     expert_bytes = len(c.draft_layer_ids) * c.num_experts * slot_bytes
     points = []
-    for ways in ways_to_try(c, fused_modes):
+    for ways in ways_to_try(fused_modes):
         for memory in split_candidates(room, slot_bytes):
             try:
                 start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache)
             except SpecMoEError:
                 continue  # holds nothing in some block
-            if start.plan.nbytes + start.scratch > memory:
-                continue
             seen = measured.get(history_key(ways, memory, expert_bytes))
             points.append(predict(start, sc, room, slot_bytes, batch, gamma, seen, times))
     if not points:
