@@ -48,6 +48,20 @@ from specmoe.model.moe import Routing, group_by_expert, run_expert
 MODES = ["int8", "int4", "int3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
+# The fused-kernel shapes this file's tests meet. The engine self-checks each new shape in
+# a child process and keeps the verdict in the cache dir; one child for all of them at the
+# start instead of one per test (each starts by importing torch, seconds on 2 cores). The
+# tests then read the same verdicts, measured the same way; a shape missing here is
+# checked when met, as before.
+KERNEL_SHAPES = [Shape("int4", 32, 128, 128), Shape("int8", 48, 128), Shape("int8", 48, 256), Shape("int8", 48, 48),
+                 Shape("int8", 128, 128), Shape("int8", 128, 64), Shape("int4", 128, 128, 128), Shape("int4", 128, 64, 64),
+                 Shape("int8", 48, 32), Shape("int4", 48, 32, 32)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_verdicts(_private_cache_dir):
+    kernels.verdicts(KERNEL_SHAPES)
+
 
 # --- formats ------------------------------------------------------------------------------
 
