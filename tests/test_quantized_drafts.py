@@ -363,12 +363,17 @@ def test_the_device_walk_finds_an_expert_kept_out_of_attributes_reach(reference,
 
 
 def test_the_device_walk_counts_formats_fp4_table_cache():
-    """formats.py's own lru_cache of the FP4 value table (16 values) is module-level state."""
+    """formats.py's own lru_cache of the FP4 value table (16 values) is module-level state.
+    The table this test adds is dropped again: every later walk in this process would count
+    it (128 bytes, 1/8 of BOOKKEEPING_ALLOWANCE) against that test's engine."""
     engine = SimpleNamespace(checkpoint=None, policy=None, tokenizer=None, device=torch.device("cpu"))
     formats._fp4_table.cache_clear()
-    before = device_bytes_held(engine)
-    formats._fp4_table(torch.device("cpu"), torch.float64)
-    assert device_bytes_held(engine) - before == 16 * 8
+    try:
+        before = device_bytes_held(engine)
+        formats._fp4_table(torch.device("cpu"), torch.float64)
+        assert device_bytes_held(engine) - before == 16 * 8
+    finally:
+        formats._fp4_table.cache_clear()
 
 
 def test_quantized_draft_moves_no_expert_bytes(reference, tmp_path):
