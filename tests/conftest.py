@@ -19,7 +19,10 @@ if _TESTS not in sys.path:
 # file): `make test` runs the suite on two workers, one file to a worker at a time, and a
 # long file started last would leave the other worker idle at the end. test_distributed.py
 # alone is about a third of one worker's share; the short files fill in around the rest.
-LONGEST_FIRST = ("test_distributed.py", "test_host_memory.py", "test_families.py", "test_policies.py",
+# test_families.py (one thread, in process) runs beside Ray's startup rather than
+# test_host_memory.py, whose `specmoe generate` children take both cores: Serve's proxy
+# fails its health checks (5 s each, three in a row) on a machine that busy.
+LONGEST_FIRST = ("test_distributed.py", "test_families.py", "test_host_memory.py", "test_policies.py",
                  "test_speculative.py", "test_bench.py", "test_autotune_choose.py", "test_server_lifecycle.py",
                  "test_parity.py", "test_soak.py", "test_ui_browser.py", "test_quantized_drafts.py",
                  "test_draft_memory.py", "test_gguf_parity.py", "test_server_fuzz.py", "test_real_size_model.py",
