@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch._library.fake_class_registry import FakeScriptObject
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The families people offload today (see _FAMILY_SPECS for what each exercises).
@@ -711,20 +712,95 @@ def device_bytes_held(engine) -> int:
     objects, not by asking its budget ledger. The offload tier (the store: host memory or a
     file, by definition not the device) and the checkpoint reader are not walked; on a
     CPU-only machine they share the device's memory, but they are the slow tier."""
+    return sum(_device_storages(engine).values())
+
+
+def _device_storages(engine) -> dict[int, int]:
+    """{data_ptr: nbytes} of the storages device_bytes_held counts. The walk visits every
+    object once (leaves: never); what it does with one depends on its type alone (see
+    _kind), so each type's checks run once per process, not once per object: the walk runs
+    at every block boundary of the tests that watch the device, thousands of times a test."""
+    device_type = engine.device.type
     skip = {id(engine.checkpoint), id(getattr(engine.policy, "store", None)), id(engine.tokenizer)}
     seen, storages, stack = set(skip), {}, [engine, *_module_state()]
+    pop, push, mark, kinds = stack.pop, stack.extend, seen.add, _KINDS
     while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _LEAVES):
+        obj = pop()
+        kind = kinds.get(type(obj))
+        if kind is None:
+            kind = _kind(obj)
+        if kind is _LEAF or id(obj) in seen:
             continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == engine.device.type:
+        mark(id(obj))
+        if kind is _TENSOR:
+            if obj.device.type == device_type:
                 storage = obj.untyped_storage()
                 storages[storage.data_ptr()] = storage.nbytes()
+        elif kind is _DICT:
+            push(obj.keys())
+            push(obj.values())
+        elif kind is _ITEMS:
+            push(obj)
+        elif kind is _ATTRS:  # an instance with a __dict__ and no __slots__
+            push(obj.__dict__.values())
         else:
-            stack += _parts(obj)
-    return sum(storages.values())
+            push(_parts(obj))
+    return storages
+
+
+# What the walk does with an object, by _kind
+_LEAF, _TENSOR, _DICT, _ITEMS, _ATTRS, _OTHER = "leaf", "tensor", "dict", "items", "attrs", "other"
+_KINDS: dict[type, str] = {}  # a type's kind, where its instances cannot differ (_kind)
+
+
+def _kind(obj) -> str:
+    """What the walk does with `obj`: the checks of the walk and of _parts, in their order
+    ("other": _parts itself, per object; slotted objects go there, since which slots are
+    filled is the instance's). Recorded for type(obj) where every instance of that type
+    gets the same answers: Python's own types, and classes none of whose own classes
+    redefines __class__, __dict__ or attribute lookup (isinstance and hasattr read those),
+    FakeScriptObject aside (torch.Generator's isinstance looks inside those)."""
+    if isinstance(obj, _LEAVES):
+        kind = _LEAF
+    elif isinstance(obj, torch.Tensor):
+        kind = _TENSOR
+    elif isinstance(obj, dict):
+        kind = _DICT
+    elif isinstance(obj, (list, tuple, set, frozenset, deque)):
+        kind = _ITEMS
+    elif isinstance(obj, (types.MethodType, types.FunctionType, functools.partial, _LRU_CACHE)):
+        kind = _OTHER
+    elif not hasattr(obj, "__dict__") and not getattr(type(obj), "__slots__", ()):
+        kind = _OTHER  # a C container: gc.get_referents
+    elif getattr(type(obj), "__slots__", ()):
+        kind = _OTHER
+    else:
+        kind = _ATTRS
+    t = type(obj)
+    if t in _SAFE_TYPES or (_plain_lookup(t) and not isinstance(obj, FakeScriptObject)):
+        _KINDS[t] = kind
+    return kind
+
+
+def _plain_lookup(t: type) -> bool:
+    """Whether every instance of `t` reads __class__ and __dict__ as object does: none of
+    its classes but object defines attribute lookup, __class__, or a __dict__ other than
+    the instance's own."""
+    for c in t.__mro__[:-1]:
+        own = vars(c)
+        if "__getattribute__" in own or "__getattr__" in own or "__class__" in own:
+            return False
+        if "__dict__" in own and type(own["__dict__"]) is not types.GetSetDescriptorType:
+            return False
+    return True
+
+
+# Python's own types whose instances' __class__ is their type: each defines __getattribute__
+# (as every C type does), but one that finds __class__ on the type first, as object's does.
+# `type`: a class's __class__ is its metaclass's (object's) data descriptor.
+_SAFE_TYPES = frozenset({type, str, bytes, int, float, bool, type(None), dict, list, tuple, set, frozenset, deque,
+                         types.MethodType, types.CellType, functools.partial, types.BuiltinFunctionType,
+                         types.WrapperDescriptorType, types.MethodDescriptorType, types.MethodWrapperType})
 
 
 def _parts(obj) -> list:

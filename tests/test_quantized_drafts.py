@@ -48,6 +48,20 @@ from specmoe.model.moe import Routing, group_by_expert, run_expert
 MODES = ["int8", "int4", "int3"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
+# The fused-kernel shapes this file's tests meet. The engine self-checks each new shape in
+# a child process and keeps the verdict in the cache dir; one child for all of them at the
+# start instead of one per test (each starts by importing torch, seconds on 2 cores). The
+# tests then read the same verdicts, measured the same way; a shape missing here is
+# checked when met, as before.
+KERNEL_SHAPES = [Shape("int4", 32, 128, 128), Shape("int8", 48, 128), Shape("int8", 48, 256), Shape("int8", 48, 48),
+                 Shape("int8", 128, 128), Shape("int8", 128, 64), Shape("int4", 128, 128, 128), Shape("int4", 128, 64, 64),
+                 Shape("int8", 48, 32), Shape("int4", 48, 32, 32)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_verdicts(_private_cache_dir):
+    kernels.verdicts(KERNEL_SHAPES)
+
 
 # --- formats ------------------------------------------------------------------------------
 
@@ -349,12 +363,17 @@ def test_the_device_walk_finds_an_expert_kept_out_of_attributes_reach(reference,
 
 
 def test_the_device_walk_counts_formats_fp4_table_cache():
-    """formats.py's own lru_cache of the FP4 value table (16 values) is module-level state."""
+    """formats.py's own lru_cache of the FP4 value table (16 values) is module-level state.
+    The table this test adds is dropped again: every later walk in this process would count
+    it (128 bytes, 1/8 of BOOKKEEPING_ALLOWANCE) against that test's engine."""
     engine = SimpleNamespace(checkpoint=None, policy=None, tokenizer=None, device=torch.device("cpu"))
     formats._fp4_table.cache_clear()
-    before = device_bytes_held(engine)
-    formats._fp4_table(torch.device("cpu"), torch.float64)
-    assert device_bytes_held(engine) - before == 16 * 8
+    try:
+        before = device_bytes_held(engine)
+        formats._fp4_table(torch.device("cpu"), torch.float64)
+        assert device_bytes_held(engine) - before == 16 * 8
+    finally:
+        formats._fp4_table.cache_clear()
 
 
 def test_quantized_draft_moves_no_expert_bytes(reference, tmp_path):
