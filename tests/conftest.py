@@ -157,6 +157,7 @@ def _fixed_machine_profile(_private_cache_dir):
     """`--policy auto` plans from a fixed profile, never from a calibration of this machine."""
     import os
 
-    from factories import install_fixed_profile
+    import factories
 
-    install_fixed_profile(os.environ["SPECMOE_CACHE_DIR"])
+    factories.SESSION_CACHE = Path(os.environ["SPECMOE_CACHE_DIR"])
+    factories.install_fixed_profile(factories.SESSION_CACHE)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import logging
 import random
 import sys
 import threading
@@ -34,6 +35,8 @@ from pathlib import Path
 
 import torch
 from torch._library.fake_class_registry import FakeScriptObject
+
+from specmoe.experts.kernels import STATE_FILE as KERNELS_STATE
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # The families people offload today (see _FAMILY_SPECS for what each exercises).
@@ -653,6 +656,9 @@ def read_config(path) -> dict:
 FIXED_PROFILE = Path(__file__).resolve().parent / "data" / "profile-2core-disk.json"
 
 
+SESSION_CACHE: Path | None = None  # the test session's private cache dir (conftest.py)
+
+
 def install_fixed_profile(cache_dir) -> None:
     """Make a profile measured once on a 2-core VM this cache dir's `local` profile, so
     that `--policy auto` plans from fixed numbers instead of calibrating the machine the
@@ -662,6 +668,11 @@ def install_fixed_profile(cache_dir) -> None:
     profiles = Path(cache_dir) / "profiles"
     profiles.mkdir(parents=True, exist_ok=True)
     shutil.copy(FIXED_PROFILE, profiles / "local.json")
+    # the fused kernels' verdicts this session measured on this machine (3-4 s a child
+    # process each): a fresh cache dir for planning need not check them again
+    verdicts = SESSION_CACHE / KERNELS_STATE if SESSION_CACHE is not None else None
+    if verdicts is not None and verdicts.is_file() and Path(cache_dir) != SESSION_CACHE:
+        shutil.copy(verdicts, Path(cache_dir) / KERNELS_STATE)
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
@@ -845,7 +856,9 @@ def _can_hold_state(value) -> bool:
     if isinstance(value, types.FunctionType):  # specmoe's own: another library's state is not the engine's
         own = (value.__module__ or "").startswith("specmoe")
         return own and bool(value.__closure__ or value.__defaults__ or value.__kwdefaults__)
-    return not isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType))
+    # a module's logger is the logging library's: walking it walks every library's loggers and
+    # pytest's handlers (it made each walk in the suite 3-4x slower than alone)
+    return not isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType, logging.Logger))
 
 
 _LRU_CACHE = type(functools.lru_cache(maxsize=1)(len))
