@@ -690,6 +690,19 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 
 
+def resident_reference(path, prompts, params, batch: int, max_len: int, shares) -> tuple[str, dict, int]:
+    """The resident model's run of `prompts` on the CPU: (its token_ids_sha256, {share:
+    expert_share_budget} for each of `shares`, all expert bytes)."""
+    from specmoe import LLM
+
+    ref = LLM(model=str(path), device="cpu", max_batch_size=batch, max_model_len=max_len)
+    ref.generate(prompts, params)
+    runtime = ref.engine.policy.runtime
+    budgets = {share: expert_share_budget(ref, share, batch, max_len) for share in shares}
+    ref.close()
+    return ref.last_stats["token_ids_sha256"], budgets, runtime.expert_bytes * len(runtime.expert_keys)
+
+
 def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
     """Device budget: non-expert bytes + KV for `batch` x `max_len` + `fraction` of all expert bytes."""
     e = llm.engine

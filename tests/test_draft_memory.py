@@ -9,8 +9,8 @@ import pytest
 import torch
 from factories import (
     BOOKKEEPING_ALLOWANCE,
-    expert_share_budget,
     random_prompts,
+    resident_reference,
     run_cli,
     watch_device_bytes,
 )
@@ -119,13 +119,8 @@ def test_full_precision_experts_come_out_of_the_same_budget():
 def reference(tiny_ckpt):
     path = tiny_ckpt("mixtral")
     prompts = random_prompts(6, 128, 3, 10, seed=5)
-    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
-    ref.generate(prompts, GREEDY)
-    runtime = ref.engine.policy.runtime
-    expert_bytes = runtime.expert_bytes * len(runtime.expert_keys)
-    budget = expert_share_budget(ref, 0.3, 6, 48)
-    ref.close()
-    return path, prompts, ref.last_stats["token_ids_sha256"], budget, expert_bytes
+    sha, budgets, expert_bytes = resident_reference(path, prompts, GREEDY, 6, 48, (0.3,))
+    return path, prompts, sha, budgets[0.3], expert_bytes
 
 
 def memory_llm(reference, tmp_path, share: float, **kw):

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 from factories import (
-    expert_share_budget,
     install_fixed_profile,
     random_prompts,
+    resident_reference,
     run_cli,
     under_one_expert,
     watch_device_bytes,
@@ -73,23 +73,21 @@ def test_the_prior_acceptance_falls_with_the_cost_and_follows_the_training_runs(
 def reference(tiny_ckpt):
     path = tiny_ckpt("mixtral")
     prompts = random_prompts(6, 128, 3, 10, seed=5)
-    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
-    ref.generate(prompts, GREEDY)
-    budget = expert_share_budget(ref, 0.5, 6, 48)
-    ref.close()
-    return path, prompts, ref.last_stats["token_ids_sha256"], budget
+    sha, budgets, _ = resident_reference(path, prompts, GREEDY, 6, 48, (0.5, 0.05))
+    return path, prompts, sha, budgets  # 50 % of the expert bytes: the runs' budget; 5 %: one too tight
 
 
 def split_llm(reference, tmp_path, **kw):
-    path, _, _, budget = reference
-    opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path), device_memory=budget,
+    path, _, _, budgets = reference
+    opts = dict(device="cpu", policy="specmoe", offload="disk", offload_dir=str(tmp_path), device_memory=budgets[0.5],
                 max_batch_size=6, max_model_len=48, gamma=3, draft_memory="auto")
     opts.update(kw)
     return LLM(model=str(path), **opts)
 
 
 def test_the_chosen_split_gives_residents_tokens_inside_the_budget(reference, tmp_path):
-    _, prompts, sha, budget = reference
+    _, prompts, sha, budgets = reference
+    budget = budgets[0.5]
     llm = split_llm(reference, tmp_path)
     held = watch_device_bytes(llm.engine)  # every device tensor the engine holds, not its ledger
     llm.generate(prompts, GREEDY)
@@ -160,10 +158,8 @@ def test_without_a_device_budget_auto_is_a_one_line_error(reference, tmp_path):
 
 
 def test_a_budget_with_no_room_for_a_split_says_what_to_raise(reference, tmp_path):
-    path = reference[0]
-    tight = expert_share_budget(LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48), 0.05, 6, 48)
     with pytest.raises(SpecMoEError) as err:
-        split_llm(reference, tmp_path, device_memory=tight)
+        split_llm(reference, tmp_path, device_memory=reference[3][0.05])
     assert "\n" not in str(err.value) and ("--device-memory" in str(err.value))
 
 

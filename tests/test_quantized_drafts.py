@@ -12,9 +12,9 @@ from factories import (
     BOOKKEEPING_ALLOWANCE,
     _rewrite,
     device_bytes_held,
-    expert_share_budget,
     make_checkpoint,
     random_prompts,
+    resident_reference,
     watch_device_bytes,
     watch_draft_reads,
 )
@@ -231,11 +231,8 @@ def test_error_report_has_one_row_per_moe_block(tiny_ckpt):
 def reference(tiny_ckpt):
     path = tiny_ckpt("mixtral")
     prompts = random_prompts(6, 128, 3, 10, seed=5)
-    ref = LLM(model=str(path), device="cpu", max_batch_size=6, max_model_len=48)
-    ref.generate(prompts, GREEDY)
-    budgets = {f: expert_share_budget(ref, f, 6, 48) for f in (0.5,)}
-    ref.close()
-    return path, prompts, ref.last_stats["token_ids_sha256"], budgets
+    sha, budgets, _ = resident_reference(path, prompts, GREEDY, 6, 48, (0.5,))
+    return path, prompts, sha, budgets
 
 
 def quant_llm(path, budget, tmp_path, **kw):

@@ -107,14 +107,14 @@ def choose(runtime) -> tuple:
 
 def choose_draft_memory(runtime) -> tuple:
     """(EngineConfig with --draft-memory and --draft-quant chosen, its description)."""
-    opts, c = runtime.options, runtime.config
+    opts = runtime.options
+    if runtime.budget.limit is None:  # before a calibration that would be for nothing
+        raise SpecMoEError("--draft-memory auto splits a device budget between the draft and verification: "
+                           "give --device-memory too, or --draft-memory as a size")
+    room = runtime.budget.available()
     hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
     shape, kwargs = _model_inputs(runtime)
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
-    room = runtime.budget.available() if runtime.budget.limit is not None else None
-    if room is None:
-        raise SpecMoEError("--draft-memory auto splits a device budget between the draft and verification: "
-                           "give --device-memory too, or --draft-memory as a size")
     fused = _fused_modes(runtime)
     cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
     best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,

@@ -83,9 +83,10 @@ def prior_acceptance(cost: float) -> float:
     return max(0.0, 1.0 - COST_RATE * math.sqrt(max(0.0, cost)))
 
 
-def history_key(draft_quant: str, draft_memory: int, expert_bytes: int) -> str:
+def history_key(draft_quant: str, draft_memory: int, config, slot_bytes: int) -> str:
     """The draft's key in history.py: its ways and its memory in percent of the drafting
     blocks' expert bytes (so that a budget given another way finds the same entry)."""
+    expert_bytes = len(config.draft_layer_ids) * config.num_experts * slot_bytes
     return f"memory@{100 * draft_memory / expert_bytes:.1f}%:{draft_quant}"
 
 
@@ -155,7 +156,6 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
     picks = batch * c.top_k
     times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype, math.ceil(picks / sc.distinct(batch)),
                          math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)))
-    expert_bytes = len(c.draft_layer_ids) * c.num_experts * slot_bytes
     points = []
     for ways in ways_to_try(fused_modes):
         for memory in split_candidates(room, slot_bytes):
@@ -163,7 +163,7 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
                 start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache)
             except SpecMoEError:
                 continue  # holds nothing in some block
-            seen = measured.get(history_key(ways, memory, expert_bytes))
+            seen = measured.get(history_key(ways, memory, c, slot_bytes))
             points.append(predict(start, sc, room, slot_bytes, batch, gamma, seen, times))
     if not points:
         raise SpecMoEError(f"--draft-memory auto: the {format_bytes(room)} the budget leaves for experts hold no "

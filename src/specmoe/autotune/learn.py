@@ -15,9 +15,7 @@ def learn_from_run(engine, stats: dict) -> None:
     if policy.speculative and acceptance is not None:
         key = history.draft_key(policy.draft_quant, policy.draft_experts)
         if getattr(policy, "memory", None) is not None:  # --draft-memory: keyed by its bytes and ways
-            c = engine.config
-            key = history_key(engine.options.draft_quant, policy.memory.limit,
-                              len(c.draft_layer_ids) * c.num_experts * policy.pool.slot_bytes)
+            key = history_key(engine.options.draft_quant, policy.memory.limit, engine.config, policy.pool.slot_bytes)
         history.record(fingerprint, key, acceptance, engine.counters.drafted)
     if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4:
         # shorter runs say nothing about speed
