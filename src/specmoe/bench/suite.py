@@ -244,7 +244,7 @@ class Suite:
                                          f"{name}-ondemand-b{batch}", {"variant": "ondemand"})]
         unit = info["expert_bytes_total"]
         if name == "draft-split":  # what the budget leaves for experts
-            unit = base_budget - info["non_expert_bytes"] - info["kv_bytes_per_token"] * batch * max_len
+            unit = base_budget - default_budget(info, batch, max_len, fraction=0.0)  # less non-expert and KV
         for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, unit, s.ablation_shares):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
