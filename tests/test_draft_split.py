@@ -26,6 +26,7 @@ from specmoe.autotune.draft_split import (
     prior_acceptance,
     split_candidates,
 )
+from specmoe.autotune.learn import learn_from_run
 from specmoe.base.paths import cache_dir
 from specmoe.costmodel.cost_model import Scenario
 from specmoe.costmodel.hardware import load_profile
@@ -111,11 +112,16 @@ def test_a_measured_acceptance_replaces_the_prior_for_that_draft(reference, tmp_
     first.generate(prompts, GREEDY)
     recorded = first.last_stats["acceptance_per_token"]
     memory, ways = first.engine.options.draft_memory, first.engine.options.draft_quant
+    learn_from_run(first.engine, dict(first.last_stats, steps=4))  # as a run long enough to time records it
     first.close()
     history = json.loads((cache_dir() / "acceptance.json").read_text())
     (entries,) = history.values()
     key = next(k for k in entries if k.startswith("memory@"))
     assert key.endswith(f":{ways}") and entries[key]["acceptance"] == pytest.approx(recorded)
+    assert set(entries) == {key}  # not also under its ways' name, as a draft of every expert
+    (speed_entries,) = json.loads((cache_dir() / "speeds.json").read_text()).values()
+    speculative = [k for k in speed_entries if ":" in k]
+    assert speculative == [f"disk/specmoe:{key}:3"]  # its speed too: the policy planner's corrections skip it
     second = split_llm(reference, tmp_path)
     plan = second.engine.auto_plan
     if second.engine.options.draft_memory == memory:  # the same draft: now planned from what it measured
