@@ -16,8 +16,9 @@ import pytest
 from factories import FIXED_PROFILE, run_cli
 
 from specmoe.bench import report, sections
+from specmoe.bench.anchors import EXACT
 from specmoe.bench.command import settings_from_args
-from specmoe.bench.grid import Measurement, check_outputs, default_budget, summarize
+from specmoe.bench.grid import Measurement, check_outputs, default_budget, held_exact, summarize
 from specmoe.bench.validate import markdown, validate
 from specmoe.cli import build_parser, main
 from specmoe.costmodel.hardware import load_profile
@@ -232,6 +233,16 @@ def test_output_check_names_the_policy_and_round_that_differs():
     assert checked == 4 and len(mismatches) == 1 and "B=4, repeat 1: specmoe" in mismatches[0]
     doc = {"outputs_check": {"reference": "resident", "comparisons": checked, "mismatches": mismatches}}
     assert report.outputs_line(doc).startswith("OUTPUTS DIFFER")
+
+
+def test_an_anchor_that_adds_in_its_own_order_is_not_held_to_residents_tokens():
+    ref = Measurement("resident", "policy", {}, rounds=[_run(1.0)])
+    llama = Measurement("llama.cpp", "anchor", {}, rounds=[_run(1.0, sha="near-tie")])
+    hf = Measurement("transformers", "anchor", {}, rounds=[_run(1.0, sha="b")])
+    checked, mismatches = check_outputs(held_exact([ref, llama, hf], EXACT), "resident", "B=64")
+    assert checked == 1 and len(mismatches) == 1 and "transformers" in mismatches[0]  # the reference implementation
+    assert report.anchor_rows([{"batch_size": 64, "anchor": "llama.cpp", "decode_tokens_per_s": 1.0,
+                                "token_agreement_vs_resident": 4095 / 4096}])[0][-1] == "99.98%"  # not "100%"
 
 
 def test_default_budget_adds_the_kv_cache_so_experts_keep_their_share():

@@ -217,6 +217,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 # --- output identity -------------------------------------------------------------------------------
 
 
+def held_exact(measurements: list[Measurement], exact_anchors: tuple[str, ...]) -> list[Measurement]:
+    """The runs whose tokens must be the reference's: every policy, and the anchors in
+    `exact_anchors` (the others' share of equal tokens is reported instead)."""
+    return [m for m in measurements if m.kind != "anchor" or m.label in exact_anchors]
+
+
 def check_outputs(measurements: list[Measurement], reference: str, where: str) -> tuple[int, list[str]]:
     """Compare every runner's token_ids_sha256 with the reference's, round by round
     (warm-up included). Returns (comparisons made, mismatch descriptions)."""

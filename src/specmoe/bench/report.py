@@ -135,9 +135,16 @@ def anchor_rows(anchors: list[dict]) -> list[list[str]]:
         rows.append([
             str(a["batch_size"]), f"{a['anchor']} {a.get('version', '')}".strip(), _spread(a, "decode_tokens_per_s"),
             _num(a.get("tokens_per_s_end_to_end")), _ratio(a.get("ratio_vs_specmoe_resident")), best,
-            "–" if agree is None else f"{agree:.0%}",
+            _agreement(agree),
         ])
     return rows
+
+
+def _agreement(share: float | None) -> str:
+    """100% only when every token is equal: one differing token in thousands shows."""
+    if share is None:
+        return "–"
+    return "100%" if share == 1 else f"{min(share, 0.9999):.2%}"
 
 
 ABLATION_HEADER = ["variant", "N", "gamma", "tok/s", "× ondemand", "tok/step", "accept", "agree", "MB/token",

@@ -24,6 +24,7 @@ from .grid import (
     check_outputs,
     default_budget,
     fit_together,
+    held_exact,
     matches_reference,
     max_model_len_for,
     measure,
@@ -200,7 +201,7 @@ class Suite:
         ref = by.get(ref_label)
         if ref_label and ref_label != "resident":
             self.notes.append(f"B={batch}: outputs compared with {ref_label} (resident did not run)")
-        n, bad = check_outputs(ms, ref_label, f"B={batch}") if ref_label else (0, [])
+        n, bad = check_outputs(held_exact(ms, anchor_mod.EXACT), ref_label, f"B={batch}") if ref_label else (0, [])
         recs = []
         for m in ms:
             if m.kind != "policy":
