@@ -152,6 +152,33 @@ def _private_cache_dir(tmp_path_factory):
         os.environ["SPECMOE_CACHE_DIR"] = old
 
 
+_KERNEL_VERDICTS: dict[tuple[str, str], tuple[bool, str]] = {}  # (machine, shape) -> (fused, why), this worker's
+
+
+@pytest.fixture(autouse=True)
+def _kernel_verdicts_once_per_worker(request, monkeypatch):
+    """The fused kernels' self-check runs in a child process (2-4 s) for each shape a fresh
+    cache dir has no verdict for: tests that start from a fresh cache dir get the verdicts
+    this worker already measured on this machine. test_kernels.py checks the self-check
+    itself and always runs it."""
+    if request.node.path.name == "test_kernels.py":
+        return
+    from specmoe.experts import kernels
+
+    measure = kernels.self_check
+
+    def remembered(shapes, child=None):
+        if child is not None:  # a test's own child: not this machine's verdict
+            return measure(shapes, child)
+        here = kernels.machine()
+        missing = [s for s in shapes if (here, s.key) not in _KERNEL_VERDICTS]
+        for shape, verdict in (measure(missing) if missing else {}).items():
+            _KERNEL_VERDICTS[(here, shape.key)] = verdict
+        return {s: _KERNEL_VERDICTS[(here, s.key)] for s in shapes}
+
+    monkeypatch.setattr(kernels, "self_check", remembered)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _fixed_machine_profile(_private_cache_dir):
     """`--policy auto` plans from a fixed profile, never from a calibration of this machine."""
