@@ -10,7 +10,9 @@ from .section import BENCH_SMOKE, Run, Section
 from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
-SPLIT_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1 --anchors none"
+def split_run(tokens: int) -> str:
+    return f"--repeats 1 --max-tokens {tokens} --prompt-batches 1 --threads 1 --anchors none"
+
 REAL_SIZE = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep && "
 
 
@@ -57,7 +59,7 @@ def _same_draft_spread(records: list[dict]) -> str:
     for r in records:
         if not r.get("draft_held"):
             continue
-        key = (tuple(sorted((r.get("draft_held") or {}).items())), r.get("pool_slots"))
+        key = (tuple(sorted(r["draft_held"].items())), r.get("pool_slots"))
         groups.setdefault(key, []).append(r["decode_tokens_per_s"])
     spreads = [max(v) / min(v) - 1 for v in groups.values() if len(v) > 1 and min(v) > 0]
     if not spreads:
@@ -85,14 +87,14 @@ SECTION = Section(
     "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation. The goal: the planner's "
     "tokens/s within 5 % of the curve's best point.",
     (Run("draft-split-16.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
-         f"20%,30%,50%,70%,90% --ablation-batch-size 16 {SPLIT_RUN} --json {{out}}/draft-split-16.json",
+         f"20%,30%,50%,70%,90% --ablation-batch-size 16 {split_run(64)} --json {{out}}/draft-split-16.json",
          "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
          f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-16.json"),
      # at real size 70 and 90 % of the room, 32 tokens: below half the room the allocator's int3 / int2
      # copies take the portable path (about 1 tok/s here), and ondemand alone takes minutes a run
      Run("draft-split-real-size-16.json", REAL_SIZE + "specmoe bench --model {out}/real-size-k8-m16 --no-grid "
          "--ablation draft-split --ablation-draft-memory 70%,90% --ablation-batch-size 16 "
-         f"{SPLIT_RUN.replace('--max-tokens 64', '--max-tokens 32')} --json {{out}}/draft-split-real-size-16.json",
+         f"{split_run(32)} --json {{out}}/draft-split-real-size-16.json",
          "python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 --expert-factor 2 --keep && "
          "specmoe bench --model "
          "{out}/real-size-k2-m2 --no-grid --ablation draft-split --ablation-draft-memory 90% --ablation-batch-size 2 "
