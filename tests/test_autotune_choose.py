@@ -86,9 +86,13 @@ def test_auto_plan_is_as_fast_as_the_best_fixed_policy_by_its_model(fresh_cache,
     best = max(fitting, key=fitting.get)
     assert auto.decode_tokens_per_s >= AUTO_FACTOR * fitting[best], (chosen.describe(), best, fitting)
 
-    # the engine runs the plan
-    assert engine.auto_plan == chosen.describe() and engine.policy.name == chosen.policy
+    # the engine runs the plan; under a budget SpecMoE's draft memory is planned after it
+    assert engine.policy.name == chosen.policy
     assert engine.gamma == (chosen.gamma if chosen.policy == "specmoe" else None)
     if chosen.policy == "specmoe":
-        assert engine.policy.draft_quant == (chosen.draft_quant or "auto")
+        plan, split = engine.auto_plan.split("; ")
+        assert plan == chosen.describe() and split.startswith("draft memory ")
+        assert engine.options.draft_memory == engine.policy.memory.limit > 0
+    else:
+        assert engine.auto_plan == chosen.describe() and engine.options.draft_memory is None
     llm.close()

@@ -91,12 +91,16 @@ def _model_inputs(runtime):
 def choose(runtime) -> tuple:
     """(EngineConfig with what was `auto` chosen, a one-line description of the plan) for
     this runtime's model and budget: the policy and its knobs (`--policy auto`), then the
-    draft's share of the budget (`--draft-memory auto`, draft_split.py)."""
+    draft's share of the budget (`--draft-memory auto`, and `--policy auto` under a budget
+    when it chose SpecMoE: draft_split.py)."""
     opts, described = runtime.options, []
+    split = opts.draft_memory == "auto"
     if opts.policy == "auto":
         opts, plan = choose_policy(runtime)
         described.append(plan)
-    if opts.draft_memory == "auto":
+        # under a budget the draft's share of it is planned too, unless it was given
+        split = split or (opts.draft_memory is None and runtime.budget.limit is not None)
+    if split:
         if opts.policy == "specmoe":
             opts, split = choose_draft_memory(replace(runtime, options=opts))
             described.append(split)
