@@ -343,3 +343,21 @@ def test_the_real_size_section_compares_start_up_with_another_revision_median_ag
     doc = {"batch_size": 16, "max_tokens": 32, "expert_bytes": 1 << 30, "runs": [run],
            "startup_against": {"rev": "abc1234", "rounds": rounds}}
     assert "3 alternating rounds: 40, 45, 50 s against 55, 60, 65 s: 1.33x as fast" in real_size_runs(doc)  # 60 / 45
+
+
+def test_the_real_size_section_compares_warm_start_ups_median_against_median_with_the_goal():
+    from specmoe.bench.tables import real_size_runs
+
+    run = {"run": "resident", "exit_status": 0, "wall_s": 9.0, "startup_s": 8.0, "peak_anon_bytes": 1 << 30,
+           "token_ids_sha256": "a"}
+
+    def doc(specmoe_times):
+        rounds = [{"round": i, "policy": p, "exit_status": 0, "startup_s": t}
+                  for i, (a, b) in enumerate(zip([6.0, 8.0, 7.0], specmoe_times))
+                  for p, t in (("ondemand", a), ("specmoe", b))]
+        return {"batch_size": 16, "max_tokens": 32, "expert_bytes": 1 << 30, "runs": [run], "warm_startup": rounds}
+
+    # medians 10.5 against 7: 1.5x, the goal's edge; the first round's 30 s does not move a median
+    assert ("SpecMoE 9.0, 10.5, 30.0 s against ondemand's 6.0, 7.0, 8.0 s: 1.50x (median against median; goal at "
+            "most 1.5x: met)") in real_size_runs(doc([30.0, 9.0, 10.5]))
+    assert "1.57x (median against median; goal at most 1.5x: not met)" in real_size_runs(doc([11.0, 9.0, 12.0]))
