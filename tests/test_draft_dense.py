@@ -106,7 +106,8 @@ def test_auto_asks_this_cpu_and_follows_the_measurement(monkeypatch):
     from specmoe.engine import engine
     for pays, want in ((True, torch.bfloat16), (False, None)):
         monkeypatch.setattr(engine, "bfloat16_pays", lambda width, rows, pays=pays: pays)
-        assert draft_dense_dtype(EngineConfig(policy="specmoe"), config(), torch.device("cpu"), torch.float32) == want
+        options = EngineConfig(policy="specmoe", draft_dense="auto")
+        assert draft_dense_dtype(options, config(), torch.device("cpu"), torch.float32) == want
 
 
 def test_bfloat16_pays_compares_the_two_products_times():

@@ -51,9 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "budget, e.g. 20%%: quantized copies and full-precision draft experts chosen expert by expert "
                    "from how often each is picked; auto: the split with verification's pool predicted fastest for "
                    "this batch size (specmoe; default: --draft-quant's rule)")
-    p.add_argument("--draft-dense", default="auto",
-                   help="auto (where this CPU multiplies bfloat16 faster) | bfloat16 | none: the draft's attention "
-                   "projections and LM head in bfloat16, kept so where the checkpoint stores them so (specmoe)")
+    p.add_argument("--draft-dense", default=EngineConfig.draft_dense,
+                   help="none (default: the compute dtype) | bfloat16 | auto (bfloat16 where a start-up probe finds "
+                   "this CPU multiplies it faster): the draft's attention projections and LM head in bfloat16, kept "
+                   "so where the checkpoint stores them so (specmoe)")
     p.add_argument("--cache-fraction", type=float, default=0.1, help="share of each block kept resident (caching)")
     p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
 

@@ -59,8 +59,11 @@ class EngineConfig:
     draft_compute: str = "device"
     draft_quant: str = "auto"  # auto: int8, else int4 copies of every expert where they fit; none: the paper's draft
     # the draft's attention projections and LM head in bfloat16 (kept so, where the checkpoint has them so);
-    # auto: where this CPU multiplies bfloat16 faster (engine.draft_dense_dtype); none: in the compute dtype
-    draft_dense: str = "auto"
+    # none: in the compute dtype; auto: where a probe finds this CPU multiplies bfloat16 faster
+    # (engine.draft_dense_dtype). none is the default: on the real-size model (training prompts,
+    # B = 16) the probe's bfloat16 made the whole draft slower and lowered its acceptance:
+    # BENCHMARKS.md, "Choosing gamma and the draft's dense precision at real size"
+    draft_dense: str = "none"
     # device bytes the draft may hold (its quantized copies and full-precision draft experts),
     # chosen expert by expert (policies/specmoe/allocation.py); "20%": a share of the device
     # budget; auto: the split with verification's pool predicted fastest (autotune/draft_split.py);

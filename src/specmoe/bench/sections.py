@@ -142,20 +142,30 @@ SECTIONS = (
                           + "\n" + report.markdown(docs["draft-dense-real-size-16.json"], "real-size", heading=False)
                           + "\n" + report.markdown(docs["draft-dense-real-size-64.json"], "real-size",
                                                    heading=False))),
-    Section("gamma-real-size", "Choosing gamma at real size",
-            "The default γ is chosen on the training prompts (benchmarks/prompts/train.jsonl), not the held-out "
-            "ones every other table reports on. On the real-size model at B = 16, 30 % budget, real disk tier, "
-            "64 tokens, the default draft: γ = 10 (the default before), 16, 24 and 32 against ondemand in one "
-            "run. A verify pass streams nearly every expert through the pool whatever γ is, so its cost hardly "
-            "grows with γ, while each draft pass costs the same: longer drafts pay while the draft keeps agreeing "
-            "with the model.",
+    Section("gamma-real-size", "Choosing gamma and the draft's dense precision at real size",
+            "The defaults of γ and `--draft-dense` are chosen on the training prompts "
+            "(benchmarks/prompts/train.jsonl), not the held-out ones every other table reports on. On the "
+            "real-size model at B = 16, 30 % budget, real disk tier, 64 tokens, the default draft, each run against "
+            "ondemand in one rotation. First γ = 10 (the default before), 16, 24 and 32: a verify pass streams "
+            "nearly every expert through the pool whatever γ is, so its cost hardly grows with γ, while each draft "
+            "pass costs the same: longer drafts pay while the draft keeps agreeing with the model. Then the "
+            "draft's attention projections and LM head multiplied in float32 (none, the default) against kept "
+            "in bfloat16 (what `--draft-dense auto` chooses on this machine at this width).",
             (Run("gamma-real-size.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
                  "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 16 "
                  f"--ablation-gammas 10,16,24,32 {REAL_SIZE_RUN} --anchors none --json {{out}}/gamma-real-size.json",
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 "
                  "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 2 "
-                 f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),),
-            _bench("gamma-real-size.json")),
+                 f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),
+             Run("draft-dense-train-16.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
+                 "{out}/real-size-k8-m16 --prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation "
+                 f"draft-dense --ablation-batch-size 16 {REAL_SIZE_RUN} --anchors none "
+                 "--json {out}/draft-dense-train-16.json",
+                 f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --prompts-file "
+                 f"benchmarks/prompts/train.jsonl --no-grid --ablation draft-dense --ablation-batch-size 2 "
+                 f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-dense-train-16.json")),
+            lambda docs: (report.markdown(docs["gamma-real-size.json"], "gamma-real-size", heading=False) + "\n"
+                          + report.markdown(docs["draft-dense-train-16.json"], "gamma-real-size", heading=False))),
     draft_memory.SECTION,
     draft_split.SECTION,
     Section("grid", "Main grid: every policy, real disk tier",
