@@ -178,8 +178,12 @@ def test_the_cli_takes_draft_memory_auto_and_says_what_it_chose(tmp_path, capsys
     assert stats["auto_plan"].startswith("draft memory ") and stats["draft_memory"] > 0
 
 
-@pytest.mark.parametrize("planner_tps,verdict", [(96.0, "| 0.960x | met |"), (90.0, "| 0.900x | not met |")])
-def test_the_split_table_sets_the_planner_against_the_best_point(planner_tps, verdict):
+@pytest.mark.parametrize("planner_tps,planner_held,verdict", [
+    (96.0, {"int8": 128}, "| 0.960x | yes | met |"),
+    # the best of many noisy runs is biased upwards: the very same draft and pool is that point
+    (90.0, {"int8": 128}, "| 0.900x | yes | met: the best point's draft and pool |"),
+    (90.0, {"int4": 128}, "| 0.900x | no | not met |")])
+def test_the_split_table_sets_the_planner_against_the_best_point(planner_tps, planner_held, verdict):
     from specmoe.bench.draft_split import split_table
 
     def point(way, share, tps):
@@ -189,11 +193,11 @@ def test_the_split_table_sets_the_planner_against_the_best_point(planner_tps, ve
     records = [dict(policy="ondemand", decode_tokens_per_s=50.0, tokens_per_step=1.0),
                dict(policy="specmoe", draft_way="planner", draft_memory=2**23, tokens_per_step=6.0,
                     decode_tokens_per_s=planner_tps, auto_plan="draft memory 8.0 MiB (50% ...)",
-                    draft_held={"int8": 128}, pool_slots=10),
+                    draft_held=planner_held, pool_slots=10),
                point("allocated", 0.5, 80.0), {**point("int8", 0.9, 100.0), "draft_held": {"int8": 128}},
                point("int4", 0.3, 70.0)]
     table = split_table({"ablations": [{"ablation": "draft-split", "batch_size": 16, "records": records}]})
     assert verdict in table
-    # the planner held what int8 90% held: their difference is the run's noise
-    assert f"differ by up to {100 / planner_tps - 1:.0%} in tok/s" in table
+    if planner_held == {"int8": 128}:  # the planner held what int8 90% held: their difference is the run's noise
+        assert f"differ by up to {100 / planner_tps - 1:.0%} in tok/s" in table
     assert "| int8 90% 100.0 |" in table and "| int8 90% | 14.4 MiB | 10 | 5.00 | 100.0 | 2.00x |" in table
