@@ -31,8 +31,8 @@ DRAFT_DENSE = ("auto", "bfloat16", "none")
 # The longest draft the gamma tuner and the planner's search try, and the provisional KV
 # positions every sequence reserves for a step's rollback. Long drafts pay when verification
 # is transfer-bound (it then costs about the same at any gamma) and the draft agrees with
-# the model: on the real-size model at B = 16 (training prompts, single runs) 16 and 24 drafted
-# tokens beat 10; `benchmarks/run_all.py --only gamma-real-size` measures it in one run.
+# the model: on the real-size model at B = 16 (training prompts) 32 drafted tokens beat 10, 16
+# and 24; at B = 64 16 beat 32; `benchmarks/run_all.py --only gamma-real-size` measures it.
 MAX_GAMMA = 32
 
 
@@ -52,7 +52,10 @@ class EngineConfig:
     offload_dir: str | None = None  # where the disk tier keeps its expert file
     max_batch_size: int = 32
     max_model_len: int | None = None  # KV positions per sequence; None: the model's, capped at 2048
-    gamma: int = 16  # chosen on the training prompts: BENCHMARKS.md, "Choosing gamma"
+    # chosen on the real-size model's training prompts (BENCHMARKS.md, "Choosing gamma and the draft's
+    # dense precision at real size"): at B = 64, the batches SpecMoE is for, 16 was 1.10x 32's tokens/s;
+    # at B = 1 and 16, 32 was 1.24x and 1.27x 16's (--gamma 32, or --policy auto, which tunes it)
+    gamma: int = 16
     draft_experts: int | None = None  # None: chosen from the budget
     draft_set: str = "temporal-hot"
     substitution: str = "affinity"

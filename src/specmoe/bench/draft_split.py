@@ -10,8 +10,8 @@ from .section import BENCH_SMOKE, Run, Section
 from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
-def split_run(tokens: int) -> str:
-    return f"--repeats 1 --max-tokens {tokens} --prompt-batches 1 --threads 1 --anchors none"
+def split_run(tokens: int, prompt_batches: int = 1) -> str:
+    return f"--repeats 1 --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1 --anchors none"
 
 REAL_SIZE = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep && "
 
@@ -77,7 +77,9 @@ def _same_draft_spread(records: list[dict]) -> str:
 
 def draft_split_section(docs: dict[str, dict]) -> str:
     parts = []
-    for title, name in (("The demo model, B = 16", "draft-split-16.json"),
+    for title, name in (("The demo model, B = 1", "draft-split-1.json"),
+                        ("The demo model, B = 16", "draft-split-16.json"),
+                        ("The demo model, B = 64", "draft-split-64.json"),
                         ("The real-size model, B = 16", "draft-split-real-size-16.json")):
         if name in docs:
             parts.append(f"### {title}\n\n" + split_table(docs[name]))
@@ -90,13 +92,15 @@ SECTION = Section(
     "leaves for experts (the expert room), held as the allocator chooses (allocated) or in one fused copy format "
     "(int8, int4), the rest verification's pool; and `--draft-memory auto`, the split the planner predicts fastest "
     "for this batch size (planner; autotune/draft_split.py; its plan says whether its tokens per step came from "
-    "the prior or from a run recorded earlier). Held-out "
-    "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation. The goal: the planner's "
-    "tokens/s within 5 % of the curve's best point.",
-    (Run("draft-split-16.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
-         f"20%,30%,50%,70%,90% --ablation-batch-size 16 {split_run(64)} --json {{out}}/draft-split-16.json",
-         "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
-         f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-16.json"),
+    "the prior or from a run recorded earlier). The demo model at B = 1 (four prompts one after another), 16 and "
+    "64, the real-size model at B = 16; held-out prompts, real disk tier, one torch thread, each run beside "
+    "ondemand in one rotation. The goal: the planner's tokens/s within 5 % of the curve's best point.",
+    # the demo model at B = 1 (four prompts one after another), 16 and 64
+    (*(Run(f"draft-split-{b}.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
+          f"20%,30%,50%,70%,90% --ablation-batch-size {b} {split_run(64, 4 if b == 1 else 1)} "
+          f"--json {{out}}/draft-split-{b}.json",
+          "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
+          f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-{b}.json") for b in (1, 16, 64)),
      # at real size 70 and 90 % of the room, 32 tokens: below half the room the allocator's int3 / int2
      # copies take the portable path (about 1 tok/s here), and ondemand alone takes minutes a run
      Run("draft-split-real-size-16.json", REAL_SIZE + "specmoe bench --model {out}/real-size-k8-m16 --no-grid "

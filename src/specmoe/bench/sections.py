@@ -79,8 +79,9 @@ SECTIONS = (
             "cache dir, then again from its caches (the int8 draft copies read back from their safetensors file: the run that segfaulted in torch's int8 kernel before "
             "the kernel guard). Peak anonymous RSS: polled from outside the process; host_peak_bytes: what the "
             "process reports itself (the kernel's peak RSS, shared libraries included); start-up: wall time minus "
-            "the generation's own; and SpecMoE's first start-up against the code before the streaming start-up, "
-            "alternating.",
+            "the generation's own; then ondemand and SpecMoE from their caches three times in turn (their start-ups "
+            "compared median against median: one run each moves by seconds with the page cache); and SpecMoE's "
+            "first start-up against the code before the streaming start-up, alternating.",
             (Run("real-size-runs.json", f"python benchmarks/real_size_runs.py --startup-against {STARTUP_BASE} "
                  "--json {out}/real-size-runs.json", f"python benchmarks/real_size_runs.py --smoke --startup-against "
                  f"{STARTUP_BASE} --rounds 1 --json {{out}}/real-size-runs.json"),),
@@ -146,9 +147,10 @@ SECTIONS = (
             "The defaults of γ and `--draft-dense` are chosen on the training prompts "
             "(benchmarks/prompts/train.jsonl), not the held-out ones every other table reports on. On the "
             "real-size model at B = 16, 30 % budget, real disk tier, 64 tokens, the default draft, each run against "
-            "ondemand in one rotation. First γ = 10 (the default before), 16, 24 and 32: a verify pass streams "
-            "nearly every expert through the pool whatever γ is, so its cost hardly grows with γ, while each draft "
-            "pass costs the same: longer drafts pay while the draft keeps agreeing with the model. Then the "
+            "ondemand in one rotation. First γ = 10 (the default before), 16, 24 and 32, then 16 and 32 at "
+            "B = 1 (four prompts one after another) and 64: a verify pass streams nearly every expert through the "
+            "pool whatever γ is, so its cost hardly grows with γ, while each draft pass costs the same: longer "
+            "drafts pay while the draft keeps agreeing with the model. Then the "
             "draft's attention projections and LM head multiplied in float32 (none, the default) against kept "
             "in bfloat16 (what `--draft-dense auto` chooses on this machine at this width).",
             (Run("gamma-real-size.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
@@ -157,6 +159,15 @@ SECTIONS = (
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 "
                  "--prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size 2 "
                  f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),
+             *(Run(f"gamma-real-size-{b}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
+                   "{out}/real-size-k8-m16 --prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma "
+                   f"--ablation-batch-size {b} --ablation-gammas 16,32 "
+                   + REAL_SIZE_RUN.replace("--prompt-batches 1", f"--prompt-batches {batches}")
+                   + f" --anchors none --json {{out}}/gamma-real-size-{b}.json",
+                   f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --prompts-file "
+                   f"benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size {s} "
+                   f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size-{b}.json")
+               for b, batches, s in ((1, 4, 1), (64, 1, 4))),
              Run("draft-dense-train-16.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
                  "{out}/real-size-k8-m16 --prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation "
                  f"draft-dense --ablation-batch-size 16 {REAL_SIZE_RUN} --anchors none "
@@ -164,8 +175,9 @@ SECTIONS = (
                  f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --prompts-file "
                  f"benchmarks/prompts/train.jsonl --no-grid --ablation draft-dense --ablation-batch-size 2 "
                  f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-dense-train-16.json")),
-            lambda docs: (report.markdown(docs["gamma-real-size.json"], "gamma-real-size", heading=False) + "\n"
-                          + report.markdown(docs["draft-dense-train-16.json"], "gamma-real-size", heading=False))),
+            lambda docs: "\n".join(report.markdown(docs[name], "gamma-real-size", heading=False) for name in (
+                "gamma-real-size-1.json", "gamma-real-size.json", "gamma-real-size-64.json",
+                "draft-dense-train-16.json") if name in docs)),
     draft_memory.SECTION,
     draft_split.SECTION,
     Section("grid", "Main grid: every policy, real disk tier",
