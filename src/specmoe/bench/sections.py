@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import draft_memory, draft_split, gguf_tables, replicas, report, tables, translate, validate
-from .section import BENCH_SMOKE, Run, Section
+from .section import BENCH_SMOKE, Run, Section, real_size_run
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
 
@@ -39,9 +39,7 @@ STARTUP_BASE = "1702eb7"  # main before the kernel guard and the streaming start
 REAL_SIZE_MODEL = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep"
 REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 "
                          "--expert-factor 2 --keep")
-# 64 tokens: room for several steps of the default gamma; one batch of prompts per run keeps the
-# whole section near 45 minutes on 2 cores (ondemand alone takes a quarter of an hour at B = 16).
-REAL_SIZE_RUN = "--repeats 1 --max-tokens 64 --prompt-batches 1 --threads 1"
+REAL_SIZE_RUN = real_size_run()
 # the paper's draft: slower than ondemand at this size, so shorter runs and no B = 64
 REAL_SIZE_PAPER_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1"
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
@@ -161,9 +159,8 @@ SECTIONS = (
                  f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size.json"),
              *(Run(f"gamma-real-size-{b}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
                    "{out}/real-size-k8-m16 --prompts-file benchmarks/prompts/train.jsonl --no-grid --ablation gamma "
-                   f"--ablation-batch-size {b} --ablation-gammas 16,32 "
-                   + REAL_SIZE_RUN.replace("--prompt-batches 1", f"--prompt-batches {batches}")
-                   + f" --anchors none --json {{out}}/gamma-real-size-{b}.json",
+                   f"--ablation-batch-size {b} --ablation-gammas 16,32 {real_size_run(batches)} "
+                   f"--anchors none --json {{out}}/gamma-real-size-{b}.json",
                    f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --prompts-file "
                    f"benchmarks/prompts/train.jsonl --no-grid --ablation gamma --ablation-batch-size {s} "
                    f"--ablation-gammas 2,4 {BENCH_SMOKE} --anchors none --json {{out}}/gamma-real-size-{b}.json")
