@@ -94,13 +94,13 @@ def choose(runtime) -> tuple:
     draft's share of the budget (`--draft-memory auto`, and `--policy auto` under a budget
     when it chose SpecMoE: draft_split.py)."""
     opts, described = runtime.options, []
-    split = opts.draft_memory == "auto"
+    plan_split = opts.draft_memory == "auto"
     if opts.policy == "auto":
         opts, plan = choose_policy(runtime)
         described.append(plan)
         # under a budget the draft's share of it is planned too, unless it was given
-        split = split or (opts.draft_memory is None and runtime.budget.limit is not None)
-    if split:
+        plan_split = plan_split or (opts.draft_memory is None and runtime.budget.limit is not None)
+    if plan_split:
         if opts.policy == "specmoe":
             opts, split = choose_draft_memory(replace(runtime, options=opts))
             described.append(split)

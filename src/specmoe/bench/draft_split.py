@@ -6,12 +6,14 @@ split `--draft-memory auto` chose, against the curve's best point (goal: within 
 from __future__ import annotations
 
 from .report import md_table
-from .section import BENCH_SMOKE, Run, Section
+from .section import BENCH_SMOKE, Run, Section, run_options
 from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
+
+
 def split_run(tokens: int, prompt_batches: int = 1) -> str:
-    return f"--repeats 1 --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1 --anchors none"
+    return f"{run_options(tokens, prompt_batches)} --anchors none"
 
 REAL_SIZE = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep && "
 
@@ -66,8 +68,8 @@ def _same_draft_spread(records: list[dict]) -> str:
     planner's among them) differ only by the machine's noise."""
     groups: dict[tuple, list[float]] = {}
     for r in records:
-        if _holding(r) is not None:
-            groups.setdefault(_holding(r), []).append(r["decode_tokens_per_s"])
+        if (key := _holding(r)) is not None:
+            groups.setdefault(key, []).append(r["decode_tokens_per_s"])
     spreads = [max(v) / min(v) - 1 for v in groups.values() if len(v) > 1 and min(v) > 0]
     if not spreads:
         return ""

@@ -9,11 +9,16 @@ from typing import Callable
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"  # every smoke command's reduced run
 
 
+def run_options(tokens: int, prompt_batches: int = 1) -> str:
+    """The options of a section's single-repeat, one-thread bench run."""
+    return f"--repeats 1 --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1"
+
+
 def real_size_run(prompt_batches: int = 1) -> str:
     """The real-size runs' options. 64 tokens: room for several steps of the default gamma; one
     batch of prompts per run keeps the real-size section near 45 minutes on 2 cores (ondemand
     alone takes a quarter of an hour at B = 16)."""
-    return f"--repeats 1 --max-tokens 64 --prompt-batches {prompt_batches} --threads 1"
+    return run_options(64, prompt_batches)
 
 
 @dataclass(frozen=True)

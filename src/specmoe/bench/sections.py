@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import draft_memory, draft_split, gguf_tables, replicas, report, tables, translate, validate
-from .section import BENCH_SMOKE, Run, Section, real_size_run
+from .section import BENCH_SMOKE, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
 
@@ -41,7 +41,7 @@ REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k
                          "--expert-factor 2 --keep")
 REAL_SIZE_RUN = real_size_run()
 # the paper's draft: slower than ondemand at this size, so shorter runs and no B = 64
-REAL_SIZE_PAPER_RUN = "--repeats 1 --max-tokens 32 --prompt-batches 1 --threads 1"
+REAL_SIZE_PAPER_RUN = run_options(32)
 SIM = "specmoe simulate --hardware h100-pcie5 --json --model-shape "
 SIMULATIONS = {
     "nllb": "nllb-moe-54b --batch-sizes 1,16,64,256 --gamma 10 --tokens-per-step 7.27",

@@ -337,6 +337,13 @@ def real_size_runs(doc: dict) -> str:
             + _startup_against(doc.get("startup_against")))
 
 
+def _startup_medians(rounds: list[dict], field: str, groups: tuple) -> tuple[dict, dict]:
+    """Each group's start-up times (sorted, failed runs left out) and their medians (none if empty)."""
+    times = {g: sorted(r["startup_s"] for r in rounds if r[field] == g and r["startup_s"] is not None)
+             for g in groups}
+    return times, {g: t[len(t) // 2] for g, t in times.items() if t}
+
+
 WARM_STARTUP_GOAL = 1.5  # SpecMoE's start-up from warm caches at most this many times ondemand's
 
 
@@ -344,11 +351,9 @@ def _warm_startup(rounds: list[dict] | None) -> str:
     """SpecMoE's start-up from warm caches against ondemand's, rounds alternating: medians."""
     if not rounds:
         return ""
-    times = {p: sorted(r["startup_s"] for r in rounds if r["policy"] == p and r["startup_s"] is not None)
-             for p in ("ondemand", "specmoe")}
+    times, median = _startup_medians(rounds, "policy", ("ondemand", "specmoe"))
     if not all(times.values()) or any(r["exit_status"] != 0 for r in rounds):
         return f"\nStart-up from warm caches: a run failed ({[r['exit_status'] for r in rounds]}).\n"
-    median = {p: t[len(t) // 2] for p, t in times.items()}
     ratio = median["specmoe"] / median["ondemand"]
     return (f"\nStart-up from warm caches, ondemand and SpecMoE in turn, {len(times['specmoe'])} rounds (4 tokens): "
             f"SpecMoE {', '.join(f'{t:.1f}' for t in times['specmoe'])} s against ondemand's "
@@ -361,11 +366,9 @@ def _startup_against(against: dict | None) -> str:
     if not against:
         return ""
     rows, rev = against["rounds"], against["rev"]
-    times = {src: sorted(r["startup_s"] for r in rows if r["source"] == src and r["startup_s"] is not None)
-             for src in ("this tree", rev)}
+    times, median = _startup_medians(rows, "source", ("this tree", rev))
     if not all(times.values()):
         return f"\nStart-up against {rev}: a run failed ({[r['exit_status'] for r in rows]}).\n"
-    median = {src: t[len(t) // 2] for src, t in times.items()}
     return (f"\nSpecMoE's first start-up (fresh cache dir), this tree against {rev}, {len(times[rev])} alternating "
             f"rounds: {', '.join(f'{t:.0f}' for t in times['this tree'])} s against "
             f"{', '.join(f'{t:.0f}' for t in times[rev])} s: {median[rev] / median['this tree']:.2f}x as fast "
