@@ -18,6 +18,7 @@ from factories import (
 )
 
 from specmoe import LLM, SamplingParams, SpecMoEError
+from specmoe.base.config import EngineConfig
 from specmoe.autotune import draft_split
 from specmoe.autotune.draft_split import (
     LEAST_VERIFY_SLOTS,
@@ -28,6 +29,7 @@ from specmoe.autotune.draft_split import (
 )
 from specmoe.autotune.learn import learn_from_run
 from specmoe.base.paths import cache_dir
+from specmoe.base.units import parse_size
 from specmoe.costmodel.cost_model import Scenario
 from specmoe.costmodel.hardware import load_profile
 from specmoe.costmodel.routing import tokens_per_step
@@ -167,6 +169,46 @@ def test_a_budget_with_no_room_for_a_split_says_what_to_raise(reference, tmp_pat
     with pytest.raises(SpecMoEError) as err:
         split_llm(reference, tmp_path, device_memory=reference[3][0.05])
     assert "\n" not in str(err.value) and ("--device-memory" in str(err.value))
+
+
+def test_specmoe_under_a_budget_plans_its_split_by_default(reference, tmp_path):
+    _, prompts, sha, budgets = reference
+    llm = split_llm(reference, tmp_path, draft_memory=None)
+    held = watch_device_bytes(llm.engine)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["auto_plan"].startswith("draft memory ") and stats["draft_memory"] == llm.engine.options.draft_memory > 0
+    assert held.excess(budgets[0.5]) <= under_one_expert(llm.config, 2)
+    llm.close()
+
+
+@pytest.mark.parametrize("given", [dict(draft_quant="int8"), dict(draft_quant="none"), dict(draft_memory="10%")])
+def test_a_draft_given_on_the_command_line_is_not_planned(reference, tmp_path, given):
+    llm = split_llm(reference, tmp_path, **{"draft_memory": None, **given})
+    assert llm.engine.auto_plan is None
+    assert (llm.engine.options.draft_memory is not None) == ("draft_memory" in given)
+    llm.close()
+
+
+@pytest.mark.parametrize("given,budgeted,planned", [
+    ({}, True, True), ({}, False, False), (dict(draft_memory="auto"), False, True),
+    (dict(draft_experts=2), True, False), (dict(draft_quant="int4"), True, False),
+    (dict(offload="host", draft_compute="host", draft_quant="none"), True, False), (dict(policy="caching"), True, False)])
+def test_which_runs_plan_the_split(given, budgeted, planned):
+    assert EngineConfig(**{"policy": "specmoe", **given}).plans_draft_split(budgeted) is planned
+
+
+def test_where_no_draft_fits_beside_verification_the_default_keeps_the_draft_quant_rule(reference, tmp_path):
+    _, prompts, sha, budgets = reference
+    with pytest.raises(SpecMoEError, match="raise --device-memory to at least") as err:
+        split_llm(reference, tmp_path, draft_memory=None, device_memory=budgets[0.05])
+    smallest = parse_size(str(err.value).rsplit("at least ", 1)[1], "device_memory")
+    llm = split_llm(reference, tmp_path, draft_memory=None, device_memory=smallest)  # the rule's minimum
+    assert llm.engine.auto_plan.startswith("no draft fits beside") and llm.engine.options.draft_memory is None
+    llm.generate(prompts, GREEDY)
+    assert llm.last_stats["token_ids_sha256"] == sha
+    llm.close()
 
 
 def test_the_cli_takes_draft_memory_auto_and_says_what_it_chose(tmp_path, capsys):

@@ -130,6 +130,12 @@ def test_auto_drafts_with_copies_narrower_than_the_experts_as_stored(resident, t
     through torch's fused kernels instead of dequantizing every draft step)."""
     for family, type_name, want in (("mixtral", "Q4_0", "int4"), ("qwen3_moe", "Q8_0", "int8")):
         path, _, _ = resident(family, type_name)
-        llm = LLM(model=str(path), policy="specmoe", device_memory="4MiB", offload_dir=str(tmp_path), **SHAPE)
+        llm = LLM(model=str(path), policy="specmoe", offload_dir=str(tmp_path), **SHAPE)  # no budget: every expert
         assert llm.engine.policy.draft_quant == want
+        llm.close()
+        # under a budget the planned draft may hold copies as wide as that, never wider
+        llm = LLM(model=str(path), policy="specmoe", device_memory="4MiB", offload_dir=str(tmp_path), **SHAPE)
+        ways = llm.engine.policy.memory.options.ways()
+        wider = {"int4": {"int8"}, "int8": set()}[want]
+        assert want in ways and not wider & set(ways)
         llm.close()

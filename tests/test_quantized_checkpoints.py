@@ -173,10 +173,16 @@ def test_an_int4_draft_copy_of_a_w8a16_model_gives_its_tokens(quantized, tmp_pat
 
 
 def test_auto_draft_takes_no_copy_as_wide_as_the_experts(quantized, tmp_path):
-    """An int8 copy of int8 experts would cost what the experts cost: auto takes int4."""
-    llm = LLM(model=str(quantized("mixtral-w8a16")), device="cpu", policy="specmoe", device_memory="90%",
-              offload_dir=str(tmp_path), max_batch_size=2, max_model_len=32)
+    """An int8 copy of int8 experts would cost what the experts cost: auto takes int4
+    copies of every expert without a budget, and the draft planned under one holds none."""
+    kw = dict(model=str(quantized("mixtral-w8a16")), device="cpu", policy="specmoe", offload_dir=str(tmp_path),
+              max_batch_size=2, max_model_len=32)
+    llm = LLM(**kw)
     assert llm.engine.policy.draft_quant == "int4"
+    llm.close()
+    llm = LLM(device_memory="90%", **kw)
+    assert llm.engine.policy.memory is not None and "int8" not in llm.engine.policy.memory.options.ways()
+    assert "int4" in llm.engine.policy.memory.options.ways()
     llm.close()
 
 

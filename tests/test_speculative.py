@@ -60,14 +60,25 @@ def test_greedy_identity_holds_at_other_batch_sizes_and_tiers(reference, tmp_pat
 
 
 def test_default_draft_takes_quantized_copies_that_fit_and_keeps_the_output(reference, tmp_path):
+    """The --draft-quant rule (what a budget the planner finds no split in gets; the
+    planned default is tested in test_draft_split.py)."""
     path, prompts, sha, budget, _ = reference
-    llm = spec_llm(path, budget, tmp_path, draft_quant="auto")
+    llm = spec_llm(path, budget, tmp_path, draft_quant="auto", draft_experts=0)
     held = watch_device_bytes(llm.engine)
     llm.generate(prompts, GREEDY)
     stats = llm.last_stats
     assert stats["draft_quant"] in ("int8", "int4") and stats["draft_quantized_bytes"] > 0
     assert stats["token_ids_sha256"] == sha and held.excess(budget) <= BOOKKEEPING_ALLOWANCE
     llm.close()
+
+
+def test_copies_alone_under_a_budget_too_small_for_them_name_the_budget(reference, tmp_path):
+    """--draft-experts 0: no paper's draft to fall back on, so copies that do not fit are a
+    one-line error that names a budget (it once surfaced as a bad draft_experts)."""
+    path, _, _, budget, _ = reference
+    with pytest.raises(SpecMoEError, match="raise --device-memory to at least") as err:
+        spec_llm(path, budget // 2, tmp_path, draft_quant="auto", draft_experts=0)
+    assert "\n" not in str(err.value)
 
 
 def test_drafting_on_the_host_keeps_the_exact_router_and_output(reference, tmp_path):

@@ -44,13 +44,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--substitution", default="affinity", help="affinity | random")
     p.add_argument("--draft-compute", default="device", help="device | host")
     p.add_argument("--draft-quant", default="auto",
-                   help="auto (int8, else int4 copies of every expert where they fit; with --draft-memory: each "
-                   "expert's precision chosen) | none (the paper's draft) | int8 | int4 | int3 | int2 (with "
+                   help="auto (each expert's precision chosen under --draft-memory, which a --device-memory "
+                   "budget plans by default; without one int8, else int4 copies of every expert where they fit) | "
+                   "none (the paper's draft) | int8 | int4 | int3 | int2 (with "
                    "--draft-memory: that precision only, for the experts it holds)")
     p.add_argument("--draft-memory", help="device bytes the draft may hold, e.g. 400MiB, or a share of the device "
                    "budget, e.g. 20%%: quantized copies and full-precision draft experts chosen expert by expert "
                    "from how often each is picked; auto: the split with verification's pool predicted fastest for "
-                   "this batch size (specmoe; default: --draft-quant's rule)")
+                   "this batch size (specmoe; default: auto under --device-memory unless --draft-quant or "
+                   "--draft-experts fixes the draft, else --draft-quant's rule)")
     p.add_argument("--draft-dense", default=EngineConfig.draft_dense,
                    help="none (default: the compute dtype) | bfloat16 | auto (bfloat16 where a start-up probe finds "
                    "this CPU multiplies it faster): the draft's attention projections and LM head in bfloat16, kept "

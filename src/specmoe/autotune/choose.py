@@ -30,7 +30,7 @@ from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from . import history, speeds
 from .calibrate import calibrate, disk_variant
-from .draft_split import choose_split
+from .draft_split import LEAST_VERIFY_SLOTS, choose_split
 
 LOCAL_PROFILE = "local"
 
@@ -94,19 +94,33 @@ def choose(runtime) -> tuple:
     draft's share of the budget (`--draft-memory auto`, and `--policy auto` under a budget
     when it chose SpecMoE: draft_split.py)."""
     opts, described = runtime.options, []
-    plan_split = opts.draft_memory == "auto"
+    budgeted = runtime.budget.limit is not None
+    plan_split = opts.plans_draft_split(runtime.budget.limits_above_minimum())
     if opts.policy == "auto":
         opts, plan = choose_policy(runtime)
         described.append(plan)
         # under a budget the draft's share of it is planned too, unless it was given
-        plan_split = plan_split or (opts.draft_memory is None and runtime.budget.limit is not None)
+        plan_split = plan_split or (opts.draft_memory is None and budgeted)
     if plan_split:
         if opts.policy == "specmoe":
-            opts, split = choose_draft_memory(replace(runtime, options=opts))
+            opts, split = _split_or_rule(replace(runtime, options=opts), asked=opts.draft_memory == "auto")
             described.append(split)
         else:  # the plan chose a policy without a draft
             opts = replace(opts, draft_memory=None)
     return opts, "; ".join(described)
+
+
+def _split_or_rule(runtime, asked: bool) -> tuple:
+    """choose_draft_memory; where the split was not asked for (the default) and no split
+    holds a draft beside verification, the --draft-quant rule instead (the paper's draft
+    where no copies fit) rather than an error."""
+    try:
+        return choose_draft_memory(runtime)
+    except SpecMoEError:
+        if asked:
+            raise
+        return replace(runtime.options, draft_memory=None), \
+            f"no draft fits beside {LEAST_VERIFY_SLOTS} verification slots: --draft-quant's rule"
 
 
 def choose_draft_memory(runtime) -> tuple:
@@ -115,7 +129,8 @@ def choose_draft_memory(runtime) -> tuple:
     if runtime.budget.limit is None:  # before a calibration that would be for nothing
         raise SpecMoEError("--draft-memory auto splits a device budget between the draft and verification: "
                            "give --device-memory too, or --draft-memory as a size")
-    room = runtime.budget.available()
+    # what the budget leaves for experts: less the scratch quantized experts dequantize into (reserved before the pool)
+    room = runtime.budget.available() - runtime.expert_format.scratch_bytes(runtime.dtype)
     hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
     shape, kwargs = _model_inputs(runtime)
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])

@@ -60,7 +60,9 @@ class EngineConfig:
     draft_set: str = "temporal-hot"
     substitution: str = "affinity"
     draft_compute: str = "device"
-    draft_quant: str = "auto"  # auto: int8, else int4 copies of every expert where they fit; none: the paper's draft
+    # auto: each expert's way chosen under a draft memory (planned by default under a budget:
+    # plans_draft_split), else int8, else int4 copies of every expert where they fit; none: the paper's draft
+    draft_quant: str = "auto"
     # the draft's attention projections and LM head in bfloat16 (kept so, where the checkpoint has them so);
     # none: in the compute dtype; auto: where a probe finds this CPU multiplies bfloat16 faster
     # (engine.draft_dense_dtype). none is the default: on the real-size model (training prompts,
@@ -70,7 +72,8 @@ class EngineConfig:
     # device bytes the draft may hold (its quantized copies and full-precision draft experts),
     # chosen expert by expert (policies/specmoe/allocation.py); "20%": a share of the device
     # budget; auto: the split with verification's pool predicted fastest (autotune/draft_split.py);
-    # None: the --draft-quant rule above (copies of every expert, or the paper's draft)
+    # None: auto under a device budget when nothing else fixes the draft (plans_draft_split),
+    # else the --draft-quant rule above (copies of every expert, or the paper's draft)
     draft_memory: int | str | None = None
     cache_fraction: float = 0.1
     trace: str | None = None
@@ -102,6 +105,18 @@ class EngineConfig:
         if not isinstance(self.cache_fraction, (int, float)) or not 0 <= self.cache_fraction <= 1:
             raise SpecMoEError(f"cache_fraction must be between 0 and 1, got {self.cache_fraction!r}")
         self._check_combinations()
+
+    def plans_draft_split(self, budgeted: bool) -> bool:
+        """Whether the draft's share of the device budget is planned when the engine starts
+        (autotune/draft_split.py): asked for (`--draft-memory auto`), or SpecMoE under a
+        budget (`budgeted`: one the --draft-quant rule runs in, so that a budget too small
+        for both is refused naming the rule's minimum) with nothing that fixes its draft (no
+        --draft-memory, --draft-quant or --draft-experts): the planner is the default, as it
+        is for `--policy auto`."""
+        if self.draft_memory == "auto":
+            return True
+        return (budgeted and self.policy == "specmoe" and self.draft_memory is None and self.draft_quant == "auto"
+                and self.draft_experts is None and self.draft_compute == "device")
 
     def _check_combinations(self) -> None:
         if self.policy == "host" and self.offload != "host":

@@ -71,6 +71,19 @@ def overlap_accuracy(rec: dict, sc: Scenario) -> float:
     return 1.0 - (1.0 - min(recall, 0.999)) ** (sc.distinct(b) / (b * k))
 
 
+def modelled_draft_quant(rec: dict) -> str:
+    """The draft as the performance model knows drafts: none (the paper's) or copies of
+    every expert in one format. A draft memory's mix (`mixed`: the default under a budget)
+    is modelled as the copy format it holds most experts in (bytes per token follow from
+    its measured acceptance and its full-precision experts, not from the format; the
+    draft pass's time does)."""
+    quant = rec.get("draft_quant") or "none"
+    if quant == "none" or quant in cost_model.QUANT_BITS:
+        return quant
+    held = {way: n for way, n in (rec.get("draft_held") or {}).items() if way in cost_model.QUANT_BITS}
+    return max(held, key=lambda way: (held[way], way)) if held else "none"
+
+
 def predict(bench: dict, rec: dict, traces: Path, profile, shape) -> cost_model.StepEstimate:
     sc = scenario_for(bench, rec, traces, profile, shape)
     b, policy = rec["batch_size"], rec["policy"]
@@ -84,8 +97,8 @@ def predict(bench: dict, rec: dict, traces: Path, profile, shape) -> cost_model.
     if policy == "specmoe":
         _, records = read_trace(traces / f"specmoe-b{b}.jsonl")
         est = acceptance_from_trace(records)
-        gamma = est.gamma if est else bench["config"]["gamma"]
-        draft_quant = rec.get("draft_quant") or "none"
+        gamma = est.gamma if est and est.gamma else bench["config"]["gamma"]
+        draft_quant = modelled_draft_quant(rec)
         n = rec.get("draft_resident_bytes", 0) // max(shape.expert_slot_bytes, 1) // shape.num_moe_layers
         return cost_model.specmoe(sc, b, gamma, n, est.acceptance if est else 0.7, draft_quant=draft_quant)
     return cost_model.estimate(policy, sc, b)

@@ -243,7 +243,8 @@ def acceptance_from_trace(records: list[StepRecord]) -> AcceptanceEstimate | Non
         if r.kind != "verify" or not r.accepted_lengths:
             continue
         g = r.positions_per_sequence - 1
-        gammas.append(g)
+        if g:  # a step with nothing left to draft (a sequence's last token) says nothing of gamma
+            gammas.append(g)
         if r.draft_set:
             drafts.append(round(np.mean([len(v) for v in r.draft_set.values()])))
         for m in r.accepted_lengths:
@@ -256,6 +257,6 @@ def acceptance_from_trace(records: list[StepRecord]) -> AcceptanceEstimate | Non
         return None
     a = succ / (succ + fail) if succ + fail else 0.0
     a = min(a, 0.999)  # all-accepted traces: keep the estimate finite
-    gamma = int(np.bincount(gammas).argmax())
+    gamma = int(np.bincount(gammas).argmax()) if gammas else 0
     n = int(np.bincount(drafts).argmax()) if drafts else None
     return AcceptanceEstimate(a, gamma, n, tokens / seqs, seqs)

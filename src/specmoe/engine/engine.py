@@ -147,9 +147,11 @@ class Engine:
                           self.max_model_len)
         self.auto_plan = None
         tune_gamma = options.policy == "auto"
-        if options.policy == "auto" or options.draft_memory == "auto":
-            if choose is None:
-                raise SpecMoEError("auto settings are chosen by the LLM API; build the engine through specmoe.LLM")
+        asked = options.policy == "auto" or options.draft_memory == "auto"
+        if asked and choose is None:
+            raise SpecMoEError("auto settings are chosen by the LLM API; build the engine through specmoe.LLM")
+        # the draft's split of a budget is planned by default too (where the API gives a planner)
+        if choose is not None and (asked or options.plans_draft_split(self.budget.limits_above_minimum())):
             options, self.auto_plan = choose(runtime)
             runtime.options = options
         self.options = options

@@ -20,6 +20,10 @@ class DeviceBudget:
         self.peak = 0
         self.by_item: dict[str, int] = {}
 
+    def limits_above_minimum(self) -> bool:
+        """A limit is set, and the whole configuration runs in it (when its minimum is known)."""
+        return self.limit is not None and self.limit >= self.minimum
+
     def available(self) -> float:
         return float("inf") if self.limit is None else self.limit - self.used
 

@@ -13,6 +13,7 @@ just fetched, so the refresh normally moves nothing.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from dataclasses import replace
@@ -51,7 +52,8 @@ class SpecMoEPolicy(OffloadPolicy):
         if options.draft_compute == "host":
             modes = ("none",)
         else:
-            modes = (*draft_modes(config.expert_quant), "none") if options.draft_quant == "auto" else (options.draft_quant,)
+            paper = ("none",) if options.draft_experts != 0 else ()  # the paper's draft needs a draft expert
+            modes = (*draft_modes(config.expert_quant), *paper) if options.draft_quant == "auto" else (options.draft_quant,)
         experts = len(config.draft_layer_ids) * config.num_experts
         need = []
         for mode in modes:
@@ -104,12 +106,14 @@ class SpecMoEPolicy(OffloadPolicy):
         opts = runtime.options
         auto = opts.draft_quant == "auto" and opts.draft_compute == "device"
         modes = draft_modes(runtime.config.expert_quant) if auto else (opts.draft_quant,)
-        for mode in modes:
-            if mode in ("none", "auto"):
-                break
+        copy_modes = list(itertools.takewhile(lambda m: m not in ("none", "auto"), modes))
+        for mode in copy_modes:
             quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, cache, runtime.device)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
-            if opts.draft_quant == "auto" and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes:
+            # --draft-experts 0: copies alone draft, so the last format is reserved (or refused, naming the budget)
+            last_chance = opts.draft_experts == 0 and mode == copy_modes[-1]
+            if (opts.draft_quant == "auto" and not last_chance
+                    and runtime.budget.available() < need + WORKING_SLOTS * runtime.slot_bytes):
                 continue  # does not fit beside the working slots: try fewer bits
             runtime.budget.reserve(
                 "quantized draft experts", quantized.nbytes,
