@@ -261,6 +261,8 @@ def test_info_with_a_draft_memory_share_and_no_budget_is_a_one_line_error(refere
 @pytest.mark.parametrize("args,says", [
     (["--ablation-draft-memory", "10%"], "add --ablation draft-memory"),
     (["--ablation", "draft-memory", "--ablation-draft-memory", "10%,150%"], "'150%' is not a share of the expert bytes"),
+    (["--ablation-draft-ways", "int4"], "add --ablation draft-memory"),
+    (["--ablation", "draft-memory", "--ablation-draft-ways", "int4,int5"], "int5 is not a way; use some of allocated,"),
 ])
 def test_bench_draft_memory_points_are_checked(capsys, args, says):
     code, _, err = run_cli(capsys, "bench", "--no-grid", *args)
@@ -275,10 +277,20 @@ def _curve_doc(batch: int, points: dict) -> dict:
     for (share, way), (tps, tok_s) in points.items():
         records.append({"label": f"{way} {share:.0%}", "policy": "specmoe", "draft_memory_share": share,
                         "draft_way": way, "tokens_per_step": tps, "decode_tokens_per_s": tok_s,
-                        "acceptance_rate": 0.5})
+                        "acceptance_rate": 0.5, "gamma": 16})
     records.append({"label": "paper 5%", "draft_memory_share": 0.05, "draft_way": "paper", "skipped": "too small"})
     return {"ablations": [{"ablation": "draft-memory", "batch_size": batch, "what": "", "records": records}],
             "config": {"model": {"path": "demo"}, "offload": "disk"}}
+
+
+def test_the_curves_ways_can_be_narrowed():
+    from specmoe.bench.ablation import variants
+
+    every = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2])
+    some = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2], ways=("allocated", "paper"))
+    assert len(every) == 6 and [v.fields["draft_way"] for v in some] == ["allocated", "paper"]
+    split = variants("draft-split", 16, 16, False, expert_bytes=1000, shares=[0.5], ways=("int4",))
+    assert [v.fields["draft_way"] for v in split] == ["planner", "int4"]
 
 
 def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_the_papers_draft(tmp_path):
@@ -294,3 +306,25 @@ def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_t
     assert large[5:11] == ["int4 10.00", "0.900x", "no", "2.00", "4.50x", "yes"]
     write_draft_memory_plot([doc, _curve_doc(1, {(0.2, "allocated"): (4.0, 5.0)})], str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_twice_the_papers_draft_above_gamma_plus_one_is_said_to_be_out_of_reach():
+    from specmoe.bench.draft_memory import draft_memory_goals
+
+    doc = _curve_doc(16, {(0.4, "allocated"): (15.7, 20.0), (0.4, "int8"): (15.7, 20.0), (0.4, "paper"): (10.9, 9.0),
+                          (0.2, "allocated"): (8.0, 20.0), (0.2, "int8"): (7.0, 20.0), (0.2, "paper"): (5.0, 9.0)})
+    (mid, high) = [line.strip("| ").split(" | ") for line in draft_memory_goals([doc]).splitlines()[2:]]
+    assert mid[10] == "no"  # 1.6x, and 2x (10 tokens per step) is within gamma + 1 = 17
+    assert high[10] == "no: 2x is 21.8, above gamma + 1 = 17"
+
+
+def test_each_way_averaged_over_batch_sizes_sets_the_allocator_against_the_best_mean():
+    from specmoe.bench.draft_memory import draft_memory_means
+
+    one = _curve_doc(1, {(0.05, "allocated"): (2.97, 6.0), (0.05, "int3"): (3.17, 6.0), (0.05, "int2"): (2.92, 6.0)})
+    many = _curve_doc(16, {(0.05, "allocated"): (2.85, 6.0), (0.05, "int3"): (1.77, 6.0), (0.05, "int2"): (2.86, 6.0),
+                           (0.1, "allocated"): (9.0, 9.0)})  # measured at one batch size only: no row
+    table = draft_memory_means([one, many])
+    (row,) = [line.strip("| ").split(" | ") for line in table.splitlines()[4:]]
+    assert row == ["5%", "1, 16", "2.91", "int2 2.89", "1.007x"]
+    assert draft_memory_means([one]) == ""

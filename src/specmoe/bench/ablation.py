@@ -22,6 +22,7 @@ DRAFT_MEMORY_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"), 
 # what holds it (the allocator's mix, or one fused copy format); plus --draft-memory auto
 DRAFT_SPLIT_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 DRAFT_SPLIT_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"))
+CURVE_WAYS = tuple(label for label, _ in DRAFT_MEMORY_WAYS)  # --ablation-draft-ways picks among them
 
 # The paper's ablations are of its draft: N full-precision experts per block plus substitutes.
 # They run with draft_quant="none" whatever the run's --draft-quant (quantized copies of
@@ -72,9 +73,11 @@ def parse_ablations(text: str | None) -> list[str]:
 
 
 def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[int] | None = None,
-             expert_bytes: int = 0, shares: list[float] | None = None) -> list[Variant]:
+             expert_bytes: int = 0, shares: list[float] | None = None,
+             ways: tuple[str, ...] | None = None) -> list[Variant]:
     """The ablation's specmoe variants; `expert_bytes`: the draft-memory curve's unit (all expert bytes;
-    draft-split: what the budget leaves for experts), `shares`: the curve's points (None: its default list)."""
+    draft-split: what the budget leaves for experts), `shares`: the curve's points (None: its default list),
+    `ways`: the curves' ways to run (None: every one)."""
     if name == "draft-set":
         return [Variant(s, {"draft_set": s, **PAPER_DRAFT}, {"draft_set": s}) for s in ("temporal-hot", "global-hot", "random")]
     if name == "substitution":
@@ -95,13 +98,13 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
         shares = shares or ((0.05, 0.2) if quick else DRAFT_MEMORY_SHARES)
         return [Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
                         {"draft_memory_share": share, "draft_way": label})
-                for share in shares for label, quant in DRAFT_MEMORY_WAYS]
+                for share in shares for label, quant in DRAFT_MEMORY_WAYS if label in (ways or (label,))]
     if name == "draft-split":  # expert_bytes: the bytes the run's budget leaves for experts
         shares = shares or ((0.2, 0.7) if quick else DRAFT_SPLIT_SHARES)
         return [Variant("planner", {"draft_memory": "auto"}, {"draft_way": "planner"})] + [
             Variant(f"{label} {share:.0%}", {"draft_quant": quant, "draft_memory": int(share * expert_bytes)},
                     {"draft_split_share": share, "draft_way": label})
-            for share in shares for label, quant in DRAFT_SPLIT_WAYS]
+            for share in shares for label, quant in DRAFT_SPLIT_WAYS if label in (ways or (label,))]
     if name == "draft-dense":
         return [Variant(f"dense {d}", {"draft_dense": d}, {"draft_dense": d}) for d in ("none", "bfloat16")]
     raise ValueError(name)

@@ -20,7 +20,7 @@ from ..base.units import parse_batch_sizes, parse_rate, parse_size
 from ..flags import add_model_args
 from ..tools.info import model_info
 from . import report, sections
-from .ablation import ABLATIONS, parse_ablations
+from .ablation import ABLATIONS, CURVE_WAYS, parse_ablations
 from .anchors import ANCHORS
 from .grid import EXPERT_FRACTION, encode_prompts
 from .machine import machine_info
@@ -80,6 +80,8 @@ def register(subparsers) -> None:
     p.add_argument("--ablation-draft-memory", help="the draft-memory ablation's draft memories as shares of all "
                    "expert bytes, comma-separated, e.g. 10%%,20%% (default 2%%,5%%,10%%,20%%,40%%; --quick: 5%%,20%%); "
                    "draft-split's as shares of what the budget leaves for experts (default 10%% .. 90%%)")
+    p.add_argument("--ablation-draft-ways", help="the draft-memory and draft-split curves' ways to run, "
+                   "comma-separated (default every one: " + ", ".join(CURVE_WAYS) + ")")
     p.add_argument("--no-grid", action="store_true", help="run only the ablations, not the policy x batch size grid")
     p.add_argument("--anchors", default="auto", help="auto (every one installed) | none | transformers,llama.cpp")
     p.add_argument("--trace-dir", help="write each run's routing/timing trace to DIR/<policy>-b<B>.jsonl")
@@ -118,6 +120,7 @@ class Settings:
     prompt_batches: int = 2  # each run generates for prompt_batches x B prompts
     ablation_gammas: list[int] | None = None  # the gamma ablation's drafts; None: its default list
     ablation_shares: list[float] | None = None  # the draft-memory ablation's points; None: its default list
+    ablation_ways: tuple[str, ...] | None = None  # the curves' ways to run; None: every one
     command: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -206,6 +209,9 @@ def settings_from_args(args) -> Settings:
     if args.ablation_draft_memory and not {"draft-memory", "draft-split"} & set(ablations):
         raise SpecMoEError("--ablation-draft-memory sets the draft-memory and draft-split ablations' points: add "
                            "--ablation draft-memory or draft-split")
+    if args.ablation_draft_ways and not {"draft-memory", "draft-split"} & set(ablations):
+        raise SpecMoEError("--ablation-draft-ways picks the draft-memory and draft-split curves' ways: add "
+                           "--ablation draft-memory or draft-split")
     if args.no_grid and not ablations:
         raise SpecMoEError("--no-grid leaves nothing to run: add --ablation NAME")
     if args.offload_bandwidth is not None:
@@ -240,6 +246,7 @@ def settings_from_args(args) -> Settings:
         prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),
         ablation_gammas=parse_batch_sizes(args.ablation_gammas, "--ablation-gammas") if args.ablation_gammas else None,
         ablation_shares=_shares(args.ablation_draft_memory) if args.ablation_draft_memory else None,
+        ablation_ways=_ways(args.ablation_draft_ways) if args.ablation_draft_ways else None,
         command=canonical_command(args), notes=notes,
     )
 
@@ -302,6 +309,16 @@ def _json_default(obj):
     if hasattr(obj, "item"):
         return obj.item()
     return str(obj)
+
+
+def _ways(text: str) -> tuple[str, ...]:
+    """--ablation-draft-ways: comma-separated names of the curves' ways."""
+    ways = tuple(w.strip() for w in text.split(",") if w.strip())
+    unknown = [w for w in ways if w not in CURVE_WAYS]
+    if unknown or not ways:
+        raise SpecMoEError(f"--ablation-draft-ways {text!r}: {', '.join(unknown) or 'nothing'} is not a way; use some "
+                           f"of {', '.join(CURVE_WAYS)}")
+    return ways
 
 
 def _shares(text: str) -> list[float]:

@@ -6,7 +6,7 @@ split `--draft-memory auto` chose, against the curve's best point (goal: within 
 from __future__ import annotations
 
 from .report import md_table
-from .section import BENCH_SMOKE, Run, Section, run_options
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, run_options
 from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
@@ -15,7 +15,6 @@ SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
 def split_run(tokens: int, prompt_batches: int = 1) -> str:
     return f"{run_options(tokens, prompt_batches)} --anchors none"
 
-REAL_SIZE = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep && "
 
 
 def split_points(doc: dict) -> tuple[int, dict | None, dict | None, list[dict]]:
@@ -105,11 +104,10 @@ SECTION = Section(
           f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-{b}.json") for b in (1, 16, 64)),
      # at real size 70 and 90 % of the room, 32 tokens: below half the room the allocator's int3 / int2
      # copies take the portable path (about 1 tok/s here), and ondemand alone takes minutes a run
-     Run("draft-split-real-size-16.json", REAL_SIZE + "specmoe bench --model {out}/real-size-k8-m16 --no-grid "
+     Run("draft-split-real-size-16.json", REAL_SIZE_MODEL + " && specmoe bench --model {out}/real-size-k8-m16 --no-grid "
          "--ablation draft-split --ablation-draft-memory 70%,90% --ablation-batch-size 16 "
          f"{split_run(32)} --json {{out}}/draft-split-real-size-16.json",
-         "python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 --expert-factor 2 --keep && "
-         "specmoe bench --model "
+         REAL_SIZE_SMOKE_MODEL + " && specmoe bench --model "
          "{out}/real-size-k2-m2 --no-grid --ablation draft-split --ablation-draft-memory 90% --ablation-batch-size 2 "
          f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-real-size-16.json")),
     draft_split_section)

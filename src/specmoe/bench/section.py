@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 BENCH_SMOKE = "--repeats 1 --max-tokens 4 --threads 1"  # every smoke command's reduced run
+# the real-size benchmark model, written where a section's runs read it (and its smoke-sized cousin)
+REAL_SIZE_MODEL = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep"
+REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 "
+                         "--expert-factor 2 --keep")
 
 
 def run_options(tokens: int, prompt_batches: int = 1) -> str:

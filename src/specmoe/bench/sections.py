@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import draft_memory, draft_split, gguf_tables, replicas, report, tables, translate, validate
-from .section import BENCH_SMOKE, Run, Section, real_size_run, run_options
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
 
@@ -36,9 +36,6 @@ def _grid_extra(doc: dict) -> str:
 
 PROFILE_BASE = "c95390e"  # main before the compute work of this section (profile_passes.py --source-rev)
 STARTUP_BASE = "1702eb7"  # main before the kernel guard and the streaming start-up (real_size_runs.py)
-REAL_SIZE_MODEL = "python benchmarks/real_size_model.py {out}/real-size-k8-m16 --keep"
-REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k2-m2 --hidden-factor 2 "
-                         "--expert-factor 2 --keep")
 REAL_SIZE_RUN = real_size_run()
 # the paper's draft: slower than ondemand at this size, so shorter runs and no B = 64
 REAL_SIZE_PAPER_RUN = run_options(32)

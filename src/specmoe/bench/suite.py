@@ -73,7 +73,8 @@ class Suite:
             n += sum(len(self.s.policies) + len(self.anchors_at(b)) for b in self.s.batch_sizes) * rounds
         for name in self.s.ablations:
             n += (1 + len(variants(name, self.cfg.num_experts, self.s.gamma, self.s.quick, self.s.ablation_gammas,
-                                   self.info["expert_bytes_total"], self.s.ablation_shares))) * rounds
+                                   self.info["expert_bytes_total"], self.s.ablation_shares,
+                                   self.s.ablation_ways))) * rounds
         return n
 
     # --- builders -------------------------------------------------------------------------------------
@@ -246,7 +247,8 @@ class Suite:
         unit = info["expert_bytes_total"]
         if name == "draft-split":  # what the budget leaves for experts
             unit = base_budget - default_budget(info, batch, max_len, fraction=0.0)  # less non-expert and KV
-        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, unit, s.ablation_shares):
+        for v in variants(name, self.cfg.num_experts, s.gamma, s.quick, s.ablation_gammas, unit, s.ablation_shares,
+                          s.ablation_ways):
             gamma = v.options.get("gamma", s.gamma)
             v_len = max_model_len_for(prompts, s.max_tokens, gamma, self.cfg.max_position_embeddings)
             budget = self._budget(batch, v_len)
