@@ -11,10 +11,12 @@ from .tables import _f
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
 DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
 DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 1 --anchors none"
-# at real size 20 and 40 % and the formats with a fused kernel here: int3 and int2 copies take the
-# portable path (about 1 tok/s at B = 16), two hours a curve; on every smaller curve they held fewer
-# tokens per step than int4 at 20 and 40 %
-REAL_SIZE_CURVE = "--ablation-draft-memory 20%,40% --ablation-draft-ways allocated,int8,int4,paper"
+# at real size B = 16, 20 and 40 %, and the formats with a fused kernel here: int3 and int2 copies take
+# the portable path (about 1 tok/s at B = 16), two hours a curve; on every smaller curve they held
+# fewer tokens per step than int4 at 20 and 40 %. One run per draft memory: a run holds every
+# variant's engine for its rotation, and seven real-size engines outgrow 24 GiB
+REAL_SIZE_SHARES = (20, 40)
+REAL_SIZE_WAYS = "allocated,int8,int4,paper"
 TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
 
 
@@ -74,7 +76,7 @@ def draft_memory_means(docs: list[dict]) -> str:
     """Each way's tokens per step at each draft memory averaged over the batch sizes that
     measured it (two or more): whether the allocator's choice is the better one across
     batch sizes where the best single format changes with the batch size."""
-    curves = [draft_memory_points(doc)[:3:2] for doc in docs]  # (batch size, points)
+    curves = [(batch, points) for batch, _, points in map(draft_memory_points, docs)]
     rows = []
     for share in sorted({s for _, points in curves for s, _ in points}):
         at = [(b, points) for b, points in curves if (share, "allocated") in points]
@@ -96,14 +98,20 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
     """The goals per model and batch size, each way averaged over the batch sizes, and
     the curves' picture."""
     parts = []
-    for title, stem in (("The demo model", "draft-memory"),
-                        ("The translation model (its decoder blocks draft)", "draft-memory-translate"),
-                        ("The real-size model (int8, int4 and the paper's draft beside the allocator)",
-                         "draft-memory-real-size")):
-        present = [docs[n] for n in (f"{stem}-{b}.json" for b in (1, 16, 64)) if n in docs]
-        if present:
-            parts.append(f"### {title}\n\n" + draft_memory_goals(present) + "\n" + draft_memory_means(present))
-    parts.append("![the demo model: tokens per step and throughput against draft memory](docs/draft-memory.png)\n")
+    for title, stem, names in (
+            ("The demo model", "draft-memory", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
+            ("The translation model (its decoder blocks draft)", "draft-memory-translate",
+             [f"draft-memory-translate-{b}.json" for b in (1, 16, 64)]),
+            ("The real-size model, B = 16 (int8, int4 and the paper's draft beside the allocator)", None,
+             [f"draft-memory-real-size-16-{share}.json" for share in REAL_SIZE_SHARES])):
+        present = [docs[n] for n in names if n in docs]
+        if not present:
+            continue
+        text = f"### {title}\n\n" + draft_memory_goals(present)
+        if stem:  # a curve per batch size: their means, and the picture
+            text += ("\n" + draft_memory_means(present) + "\n"
+                     f"![{title}: tokens per step and throughput against draft memory](docs/{stem}.png)\n")
+        parts.append(text)
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
@@ -118,9 +126,12 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "single format's and twice the paper's (where twice the paper's is above gamma + 1, every draft "
             "accepted, the table says so). Below each model's table, each way averaged over the batch sizes: "
             "where the draft is scarce (5-10 %) the best single format changes with the batch size (int3 where "
-            "one sequence's experts are few, int2's wider coverage where a batch picks many). The demo model's "
-            "curves: docs/draft-memory.png (python "
-            "benchmarks/plot_draft_memory.py docs/draft-memory.png bench-results/draft-memory-{1,16,64}.json).",
+            "one sequence's experts are few, int2's wider coverage where a batch picks many). The real-size model at "
+            "B = 16, one run per draft memory, 32 tokens, int8, int4 and the paper's draft beside the allocator "
+            "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
+            "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
+            "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
+            "draft-memory-translate).",
             tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                       f"--ablation-draft-memory {shares} --ablation-batch-size {b} {run} --json {{out}}/{stem}-{b}.json",
                       f"specmoe bench {model}--no-grid --ablation draft-memory --ablation-draft-memory 20% "
@@ -129,10 +140,13 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                   for b, smoke, shares, run in ((1, 1, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 4"),
                                                 (16, 2, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 1"),
                                                 (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64)))
-            + (Run("draft-memory-real-size-16.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
-                   f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-memory {REAL_SIZE_CURVE} --ablation-batch-size "
-                   f"16 {run_options(32)} --anchors none --json {{out}}/draft-memory-real-size-16.json",
-                   f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
-                   f"draft-memory --ablation-draft-memory 40% --ablation-draft-ways allocated,int8 "
-                   f"--ablation-batch-size 2 {BENCH_SMOKE} --anchors none --json {{out}}/draft-memory-real-size-16.json"),),
+            + tuple(Run(f"draft-memory-real-size-16-{share}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
+                        f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-memory --ablation-draft-memory {share}% "
+                        f"--ablation-draft-ways {REAL_SIZE_WAYS} --ablation-batch-size 16 {run_options(32)} "
+                        f"--anchors none --json {{out}}/draft-memory-real-size-16-{share}.json",
+                        f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
+                        f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways allocated,int8 "
+                        f"--ablation-batch-size 2 {BENCH_SMOKE} --anchors none "
+                        f"--json {{out}}/draft-memory-real-size-16-{share}.json")
+                    for share in REAL_SIZE_SHARES),
             draft_memory_section)

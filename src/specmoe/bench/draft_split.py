@@ -16,7 +16,6 @@ def split_run(tokens: int, prompt_batches: int = 1) -> str:
     return f"{run_options(tokens, prompt_batches)} --anchors none"
 
 
-
 def split_points(doc: dict) -> tuple[int, dict | None, dict | None, list[dict]]:
     """(batch size, ondemand's record, the planner's record, the curve's records)."""
     entry = next(e for e in doc["ablations"] if e["ablation"] == "draft-split")
@@ -92,8 +91,8 @@ SECTION = Section(
     "One device budget (non-expert + KV + 30 % of the expert bytes), split: `--draft-memory` as a share of what it "
     "leaves for experts (the expert room), held as the allocator chooses (allocated) or in one fused copy format "
     "(int8, int4), the rest verification's pool; and `--draft-memory auto`, the split the planner predicts fastest "
-    "for this batch size (planner; autotune/draft_split.py; its plan says whether its tokens per step came from "
-    "the prior or from a run recorded earlier). The demo model at B = 1 (four prompts one after another), 16 and "
+    "for this batch size (planner; autotune/draft_split.py; SpecMoE's default under a budget; its plan says "
+    "whether its tokens per step came from the prior or from a run recorded earlier). The demo model at B = 1 (four prompts one after another), 16 and "
     "64, the real-size model at B = 16; held-out prompts, real disk tier, one torch thread, each run beside "
     "ondemand in one rotation. The goal: the planner's tokens/s within 5 % of the curve's best point.",
     # the demo model at B = 1 (four prompts one after another), 16 and 64
