@@ -11,11 +11,13 @@ from .tables import _f
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
 DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
 DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 1 --anchors none"
-# at real size B = 16, 20 and 40 %, and the formats with a fused kernel here: int3 and int2 copies take
+# at real size the formats with a fused kernel here and the paper's draft: int3 and int2 copies take
 # the portable path (about 1 tok/s at B = 16), two hours a curve; on every smaller curve they held
 # fewer tokens per step than int4 at 20 and 40 %. One run per draft memory: a run holds every
 # variant's engine for its rotation, and seven real-size engines outgrow 24 GiB
-REAL_SIZE_SHARES = (20, 40)
+# (B, draft memory in %, tokens, prompt batches); B = 1: four prompts one after another, 20 % only
+# (about half an hour a run here)
+REAL_SIZE_POINTS = ((1, 20, 48, 4), (16, 20, 32, 1), (16, 40, 32, 1))
 REAL_SIZE_WAYS = "allocated,int8,int4,paper"
 TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
 
@@ -102,8 +104,8 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
             ("The demo model", "draft-memory", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
             ("The translation model (its decoder blocks draft)", "draft-memory-translate",
              [f"draft-memory-translate-{b}.json" for b in (1, 16, 64)]),
-            ("The real-size model, B = 16 (int8, int4 and the paper's draft beside the allocator)", None,
-             [f"draft-memory-real-size-16-{share}.json" for share in REAL_SIZE_SHARES])):
+            ("The real-size model (int8, int4 and the paper's draft beside the allocator)", None,
+             [f"draft-memory-real-size-{b}-{share}.json" for b, share, _, _ in REAL_SIZE_POINTS])):
         present = [docs[n] for n in names if n in docs]
         if not present:
             continue
@@ -127,7 +129,8 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "accepted, the table says so). Below each model's table, each way averaged over the batch sizes: "
             "where the draft is scarce (5-10 %) the best single format changes with the batch size (int3 where "
             "one sequence's experts are few, int2's wider coverage where a batch picks many). The real-size model at "
-            "B = 16, one run per draft memory, 32 tokens, int8, int4 and the paper's draft beside the allocator "
+            "B = 1 (four prompts of 48 tokens one after another, 20 %) and 16 (32 tokens, 20 and 40 %), one run per draft "
+            "memory, int8, int4 and the paper's draft beside the allocator "
             "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
             "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
             "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
@@ -140,13 +143,14 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                   for b, smoke, shares, run in ((1, 1, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 4"),
                                                 (16, 2, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 1"),
                                                 (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64)))
-            + tuple(Run(f"draft-memory-real-size-16-{share}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
+            + tuple(Run(f"draft-memory-real-size-{b}-{share}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
                         f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-memory --ablation-draft-memory {share}% "
-                        f"--ablation-draft-ways {REAL_SIZE_WAYS} --ablation-batch-size 16 {run_options(32)} "
-                        f"--anchors none --json {{out}}/draft-memory-real-size-16-{share}.json",
+                        f"--ablation-draft-ways {REAL_SIZE_WAYS} --ablation-batch-size {b} "
+                        f"{run_options(tokens, batches)} --anchors none "
+                        f"--json {{out}}/draft-memory-real-size-{b}-{share}.json",
                         f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
                         f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways allocated,int8 "
-                        f"--ablation-batch-size 2 {BENCH_SMOKE} --anchors none "
-                        f"--json {{out}}/draft-memory-real-size-16-{share}.json")
-                    for share in REAL_SIZE_SHARES),
+                        f"--ablation-batch-size {min(b, 2)} {BENCH_SMOKE} --anchors none "
+                        f"--json {{out}}/draft-memory-real-size-{b}-{share}.json")
+                    for b, share, tokens, batches in REAL_SIZE_POINTS),
             draft_memory_section)
