@@ -91,8 +91,8 @@ def _model_inputs(runtime):
 def choose(runtime) -> tuple:
     """(EngineConfig with what was `auto` chosen, a one-line description of the plan) for
     this runtime's model and budget: the policy and its knobs (`--policy auto`), then the
-    draft's share of the budget (`--draft-memory auto`, and `--policy auto` under a budget
-    when it chose SpecMoE: draft_split.py)."""
+    draft's share of the budget (`--draft-memory auto`; SpecMoE under a budget when no flag
+    fixes its draft; `--policy auto` under a budget when it chose SpecMoE: draft_split.py)."""
     opts, described = runtime.options, []
     budgeted = runtime.budget.limit is not None
     plan_split = opts.plans_draft_split(runtime.budget.limits_above_minimum())
