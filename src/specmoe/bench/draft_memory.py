@@ -5,7 +5,7 @@ its goals table and what its plot reads (plot.write_draft_memory_plot)."""
 from __future__ import annotations
 
 from .report import md_table
-from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, run_options
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .tables import _f
 
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
@@ -146,7 +146,7 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             + tuple(Run(f"draft-memory-real-size-{b}-{share}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
                         f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-memory --ablation-draft-memory {share}% "
                         f"--ablation-draft-ways {REAL_SIZE_WAYS} --ablation-batch-size {b} "
-                        f"{run_options(tokens, batches)} --anchors none "
+                        f"{ablation_run(tokens, batches)} "
                         f"--json {{out}}/draft-memory-real-size-{b}-{share}.json",
                         f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
                         f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways allocated,int8 "

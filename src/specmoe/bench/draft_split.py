@@ -6,14 +6,10 @@ split `--draft-memory auto` chose, against the curve's best point (goal: within 
 from __future__ import annotations
 
 from .report import md_table
-from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, run_options
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
-
-
-def split_run(tokens: int, prompt_batches: int = 1) -> str:
-    return f"{run_options(tokens, prompt_batches)} --anchors none"
 
 
 def split_points(doc: dict) -> tuple[int, dict | None, dict | None, list[dict]]:
@@ -97,7 +93,7 @@ SECTION = Section(
     "ondemand in one rotation. The goal: the planner's tokens/s within 5 % of the curve's best point.",
     # the demo model at B = 1 (four prompts one after another), 16 and 64
     (*(Run(f"draft-split-{b}.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
-          f"20%,30%,50%,70%,90% --ablation-batch-size {b} {split_run(64, 4 if b == 1 else 1)} "
+          f"20%,30%,50%,70%,90% --ablation-batch-size {b} {ablation_run(64, 4 if b == 1 else 1)} "
           f"--json {{out}}/draft-split-{b}.json",
           "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory 50% --ablation-batch-size 2 "
           f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-{b}.json") for b in (1, 16, 64)),
@@ -105,7 +101,7 @@ SECTION = Section(
      # copies take the portable path (about 1 tok/s here), and ondemand alone takes minutes a run
      Run("draft-split-real-size-16.json", REAL_SIZE_MODEL + " && specmoe bench --model {out}/real-size-k8-m16 --no-grid "
          "--ablation draft-split --ablation-draft-memory 70%,90% --ablation-batch-size 16 "
-         f"{split_run(32)} --json {{out}}/draft-split-real-size-16.json",
+         f"{ablation_run(32)} --json {{out}}/draft-split-real-size-16.json",
          REAL_SIZE_SMOKE_MODEL + " && specmoe bench --model "
          "{out}/real-size-k2-m2 --no-grid --ablation draft-split --ablation-draft-memory 90% --ablation-batch-size 2 "
          f"{BENCH_SMOKE} --anchors none --json {{out}}/draft-split-real-size-16.json")),

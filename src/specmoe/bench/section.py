@@ -18,6 +18,11 @@ def run_options(tokens: int, prompt_batches: int = 1) -> str:
     return f"--repeats 1 --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1"
 
 
+def ablation_run(tokens: int, prompt_batches: int = 1) -> str:
+    """An ablation's run options: one repeat, one thread, no anchors beside it."""
+    return f"{run_options(tokens, prompt_batches)} --anchors none"
+
+
 def real_size_run(prompt_batches: int = 1) -> str:
     """The real-size runs' options. 64 tokens: room for several steps of the default gamma; one
     batch of prompts per run keeps the real-size section near 45 minutes on 2 cores (ondemand

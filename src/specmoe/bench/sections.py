@@ -118,8 +118,8 @@ SECTIONS = (
     Section("real-size-drafts", "Real size: the paper's draft at B = 64, and the draft's bfloat16 projections",
             "The real-size model, disk tier at 30 %, held-out prompts, one torch thread. First the paper's draft "
             "(`--draft-quant none`) beside ondemand at B = 64, 32 tokens (B = 1 and 16: the section above). Then "
-            "`--draft-dense` at B = 16 and 64 (64 tokens, int8 copies of every expert: the default draft when measured): the draft's attention projections and "
-            "LM head multiplied in float32 (none) against kept in bfloat16 as the checkpoint stores them "
+            "`--draft-dense` at B = 16 and 64 (64 tokens, int8 copies of every expert: the default draft when "
+            "measured): the draft's attention projections and LM head multiplied in float32 (none) against kept in bfloat16 as the checkpoint stores them "
             "(bfloat16, what auto chose at these batch sizes), each beside ondemand in one rotation: whether "
             "bfloat16 drafts pay, and whether they cost acceptance.",
             (Run("real-size-paper-64.json", f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 "
@@ -141,9 +141,8 @@ SECTIONS = (
     Section("gamma-real-size", "Choosing gamma and the draft's dense precision at real size",
             "The defaults of γ and `--draft-dense` are chosen on the training prompts "
             "(benchmarks/prompts/train.jsonl), not the held-out ones every other table reports on. On the "
-            "real-size model at B = 16, 30 % budget, real disk tier, 64 tokens, int8 copies of every expert (the default "
-            "draft when measured), each run against "
-            "ondemand in one rotation. First γ = 10 (the default before), 16, 24 and 32, then 16 and 32 at "
+            "real-size model at B = 16, 30 % budget, real disk tier, 64 tokens, int8 copies of every expert (the "
+            "default draft when measured), each run against ondemand in one rotation. First γ = 10 (the default before), 16, 24 and 32, then 16 and 32 at "
             "B = 1 (four prompts one after another) and 64: a verify pass streams nearly every expert through the "
             "pool whatever γ is, so its cost hardly grows with γ, while each draft pass costs the same: longer "
             "drafts pay while the draft keeps agreeing with the model. Then the "

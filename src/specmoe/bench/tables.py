@@ -419,8 +419,8 @@ def real_size_goals(grids: list[dict], paper: dict) -> str:
                        _f(own["decode_tokens_per_s"]), _f(own["tokens_per_step"], "{:.2f}"),
                        f"{own['decode_tokens_per_s'] / own_base['decode_tokens_per_s']:.2f}x"])
     if drafts:
-        text += ("\nQuantized copies of every expert (`--draft-quant auto`'s rule, the default draft when measured) against the paper's "
-                 "(`--draft-quant none`: resident full-precision draft experts and substitutes), each against "
+        text += ("\nQuantized copies of every expert (`--draft-quant auto`'s rule, the default draft when measured) "
+                 "against the paper's (`--draft-quant none`: resident full-precision draft experts and substitutes), each against "
                  "ondemand in its own run:\n\n" + md_table(
                      ["B", "default tok/s", "tok/step", "× ondemand", "paper's tok/s", "tok/step", "× ondemand"],
                      drafts) + "\n")
