@@ -3,6 +3,7 @@ markdown section, one-line errors for bad flags, the summary/identity helpers, t
 performance model's validation on the run's traces, and BENCHMARKS.md rewritten from
 saved JSON (`specmoe bench --report`)."""
 
+import collections
 import contextlib
 import importlib.util
 import io
@@ -18,7 +19,7 @@ from factories import FIXED_PROFILE, run_cli
 from specmoe.bench import report, sections
 from specmoe.bench.anchors import EXACT
 from specmoe.bench.command import settings_from_args
-from specmoe.bench.grid import Measurement, check_outputs, default_budget, held_exact, summarize
+from specmoe.bench.grid import Builder, Measurement, check_outputs, default_budget, held_exact, measure, summarize
 from specmoe.bench.validate import markdown, validate
 from specmoe.cli import build_parser, main
 from specmoe.costmodel.hardware import load_profile
@@ -227,6 +228,36 @@ def test_summary_reports_the_median_run_and_min_max_over_repeats():
     assert rec["decode_tokens_per_s"] == 7.0 and rec["repeats"] == 3
     assert rec["over_repeats"]["decode_tokens_per_s"] == {"min": 5.0, "median": 7.0, "max": 9.0}
     assert "acceptance_rate" not in rec["over_repeats"]  # None values are not summarised
+
+
+class _LoggedRunner:
+    """Appends its label to a shared log each time it runs: the order `measure` ran them in."""
+
+    def __init__(self, label, log):
+        self.label, self.log = label, log
+
+    def run(self):
+        self.log.append(self.label)
+        return _run(1.0), [[0]]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_each_runner_follows_every_other_equally_often_over_the_rounds(n):
+    """What a runner leaves behind (ondemand's emptied page cache) must not fall on the same
+    successor every round: a fixed order (A B C A B C) fails this."""
+    log = []
+    labels = [f"r{i}" for i in range(n)]
+    rounds = 2 * n if n % 2 else n  # one full design; measure adds the warm-up round 0
+    measure([Builder(x, "policy", lambda x=x: _LoggedRunner(x, log)) for x in labels], repeats=rounds - 1)
+    per_round = [log[i * n:(i + 1) * n] for i in range(rounds)]
+    assert all(sorted(r) == labels for r in per_round)  # everyone runs once a round
+    follows = collections.Counter((a, b) for r in per_round for a, b in zip(r, r[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
+    places = collections.Counter((x, r.index(x)) for r in per_round for x in r)
+    assert len(set(places.values())) == 1  # every place held equally often
 
 
 def test_output_check_names_the_policy_and_round_that_differs():

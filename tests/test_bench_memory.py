@@ -91,3 +91,32 @@ def test_a_bench_that_does_not_fit_runs_one_at_a_time_with_the_same_tokens(tiny_
     assert not any("one at a time" in n for n in docs["together"]["notes"])
     sha = {name: {r["policy"]: r["token_ids_sha256"] for r in doc["records"]} for name, doc in docs.items()}
     assert sha["apart"] == sha["together"] and len(set(sha["apart"].values())) == 1
+
+
+def test_an_ablation_that_does_not_fit_runs_one_at_a_time_judged_by_each_variants_budget(tiny_ckpt, tmp_path,
+                                                                                        monkeypatch):
+    """Each draft-memory variant holds its draft beside a full pool: its need is its own budget
+    (the base budget and its draft), not the base budget every runner of the grid shares."""
+    rng = random.Random(2)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [rng.randrange(3, 128) for _ in range(5)]}) + "\n"
+                               for _ in range(2)))
+    judged = []
+    monkeypatch.setattr(suite, "fit_together", lambda needs, available: judged.append(dict(needs)) or False)
+    monkeypatch.setattr(suite, "available_bytes", lambda: 1 << 30)
+    out = tmp_path / "apart.json"
+    code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--no-grid", "--ablation", "draft-memory",
+                 "--ablation-draft-memory", "10%,40%", "--ablation-draft-ways", "allocated,paper",
+                 "--ablation-batch-size", "2", "--repeats", "1", "--max-tokens", "3", "--anchors", "none",
+                 "--prompts-file", str(prompts), "--threads", "1", "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert any("ablation draft-memory, B=2" in n and "one at a time" in n for n in doc["notes"]), doc["notes"]
+    (needs,) = judged
+    records = doc["ablations"][0]["records"]
+    assert set(needs) == {r["label"] for r in records}
+    for r in records[1:]:  # each variant needs the pool ondemand has and the draft it was given
+        if r.get("skipped"):
+            continue
+        assert needs[r["label"]] - needs["ondemand"] == r["draft_memory"], (r["label"], needs)
+    assert len({r["token_ids_sha256"] for r in records if not r.get("skipped")}) == 1

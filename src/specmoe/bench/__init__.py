@@ -2,9 +2,10 @@
 
 One command measures the main grid (policies x batch sizes), the anchors users compare
 against (transformers' `generate`, llama.cpp) and the paper's ablations, and writes a
-table, JSON, a plot and a BENCHMARKS.md section. Runs are interleaved across policies
-(A B C A B C ...) so that machine drift hits all alike, and every performance figure is
-a ratio against a baseline measured in the same run.
+table, JSON, a plot and a BENCHMARKS.md section. Runs are interleaved across policies,
+each round in another order (A B C, B C A, ...), so that machine drift and what one run
+leaves behind hit all alike, and every performance figure is a ratio against a baseline
+measured in the same run.
 
 Modules: `command` (the CLI and its flags), `suite` (one run: grid, anchors, ablations,
 the JSON document), `grid` (prompts, the budget rule, interleaved timing, medians, the

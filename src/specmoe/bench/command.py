@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark every policy side by side across batch sizes (table, JSON, plot, BENCHMARKS.md)",
         description="Run every policy on the same model, prompts and device budget across batch sizes, interleaved "
-        "(A B C A B C ...) after a warm-up, and report the median of --repeats runs with min/max, ratios to "
+        "(each round in another order) after a warm-up, and report the median of --repeats runs with min/max, ratios to "
         "ondemand measured in the same run, and whether every policy produced resident's tokens (exit status 1 "
         "if not). Default budget: non-expert bytes + the KV cache reserved for the run + 30 % of expert bytes.",
     )

@@ -3,10 +3,12 @@ the median over repeats, and the check that every policy produced the same token
 
 Timing protocol. For one group (a batch size of the main grid, or one ablation) every
 runner is built first (never timed). Then rounds: round 0 is a warm-up, rounds 1..R are
-timed; in each round every runner runs once, in a fixed order (A B C A B C ...), so that
-drift of a shared machine (another job, thermal state, page cache) hits all alike. A
-record reports the median timed run (the lower median for an even R) and min/median/max
-of the main statistics over the R runs.
+timed; in each round every runner runs once, so that drift of a shared machine (another
+job, thermal state, page cache) hits all alike. Each round runs them in another order
+(`round_order`): what a runner leaves behind (a page cache emptied by ondemand's reads, a
+disk queue still draining) then falls on a different successor each round instead of
+always on the same one. A record reports the median timed run (the lower median for an
+even R) and min/median/max of the main statistics over the R runs.
 """
 
 from __future__ import annotations
@@ -131,9 +133,29 @@ def _run(m: Measurement, runner, rnd: int, on_run: Callable | None) -> None:
         on_run(m, rnd, stats)
 
 
+def round_order(n: int, rnd: int) -> list[int]:
+    """The order in which `n` runners run in round `rnd`: a Williams design (0, 1, n-1, 2,
+    n-2, ...) shifted by the round. Over n rounds (2n for odd n, whose odd rounds run
+    reversed) every runner holds every place once and follows every other runner once: on
+    the real-size model a fixed order had the runner after ondemand wait four times as long
+    for its transfers in every round, and lose a goal it met in another order."""
+    if n <= 1:
+        return list(range(n))
+    base, low, high = [0], 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    order = [(i + rnd) % n for i in base]
+    return order[::-1] if n % 2 and rnd % 2 else order
+
+
 def measure(builders: list[Builder], repeats: int, on_run: Callable | None = None,
             on_skip: Callable | None = None, together: bool = True) -> list[Measurement]:
-    """Build every runner, then run warm-up + `repeats` interleaved rounds. Not
+    """Build every runner, then run warm-up + `repeats` interleaved rounds, each in its own
+    order (`round_order`). Not
     `together` (runners that would not fit in memory side by side): each runner is built,
     run warm-up + `repeats` times and closed before the next is built."""
     if not together:
@@ -155,9 +177,9 @@ def measure(builders: list[Builder], repeats: int, on_run: Callable | None = Non
             measurements.append(m)
             runners.append(runner)
         for rnd in range(repeats + 1):
-            for m, runner in zip(measurements, runners):
-                if runner is not None:
-                    _run(m, runner, rnd, on_run)
+            for i in round_order(len(runners), rnd):
+                if runners[i] is not None:
+                    _run(measurements[i], runners[i], rnd, on_run)
     finally:
         for runner in runners:
             if runner is not None:

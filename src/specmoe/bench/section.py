@@ -13,14 +13,15 @@ REAL_SIZE_SMOKE_MODEL = ("python benchmarks/real_size_model.py {out}/real-size-k
                          "--expert-factor 2 --keep")
 
 
-def run_options(tokens: int, prompt_batches: int = 1) -> str:
-    """The options of a section's single-repeat, one-thread bench run."""
-    return f"--repeats 1 --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1"
+def run_options(tokens: int, prompt_batches: int = 1, repeats: int = 1) -> str:
+    """The options of a section's one-thread bench run (one timed repeat unless a goal
+    needs the spread of several)."""
+    return f"--repeats {repeats} --max-tokens {tokens} --prompt-batches {prompt_batches} --threads 1"
 
 
-def ablation_run(tokens: int, prompt_batches: int = 1) -> str:
-    """An ablation's run options: one repeat, one thread, no anchors beside it."""
-    return f"{run_options(tokens, prompt_batches)} --anchors none"
+def ablation_run(tokens: int, prompt_batches: int = 1, repeats: int = 1) -> str:
+    """An ablation's run options: one thread, no anchors beside it."""
+    return f"{run_options(tokens, prompt_batches, repeats)} --anchors none"
 
 
 def real_size_run(prompt_batches: int = 1) -> str:
