@@ -328,3 +328,25 @@ def test_each_way_averaged_over_batch_sizes_sets_the_allocator_against_the_best_
     (row,) = [line.strip("| ").split(" | ") for line in table.splitlines()[4:]]
     assert row == ["5%", "1, 16", "2.91", "int2 2.89", "1.007x"]
     assert draft_memory_means([one]) == ""
+
+
+def test_one_run_per_draft_memory_makes_one_curve_each_point_against_its_own_ondemand(tmp_path):
+    """The real-size curve is one run per draft memory: a batch size's documents are one
+    column, and each point's throughput is divided by the ondemand of its own run."""
+    from specmoe.bench.draft_memory import draft_memory_columns, draft_memory_means
+    from specmoe.bench.plot import write_draft_memory_plot
+
+    low = _curve_doc(16, {(0.2, "allocated"): (8.0, 20.0), (0.2, "int4"): (6.0, 15.0)})
+    high = _curve_doc(16, {(0.4, "allocated"): (12.0, 30.0), (0.4, "int4"): (11.0, 25.0)})
+    high["ablations"][0]["records"][0]["decode_tokens_per_s"] = 5.0  # a slower machine for that run
+    one = _curve_doc(1, {(0.2, "allocated"): (5.0, 4.0), (0.2, "int4"): (4.0, 3.0)})
+    columns = dict(draft_memory_columns([low, one, high]))
+    assert sorted(columns) == [1, 16] and sorted(columns[16]) == [(0.2, "allocated"), (0.2, "int4"),
+                                                                 (0.4, "allocated"), (0.4, "int4")]
+    record, base = columns[16][0.4, "allocated"]
+    assert record["decode_tokens_per_s"] / base["decode_tokens_per_s"] == 6.0
+    assert columns[16][0.2, "allocated"][1]["decode_tokens_per_s"] == 10.0
+    (row,) = [line.strip("| ").split(" | ") for line in draft_memory_means([low, one, high]).splitlines()[4:]]
+    assert row == ["20%", "1, 16", "6.50", "int4 5.00", "1.300x"]
+    write_draft_memory_plot([low, one, high], str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").stat().st_size > 10_000

@@ -31,6 +31,17 @@ def draft_memory_points(doc: dict) -> tuple[int, dict, dict[tuple[float, str], d
     return entry["batch_size"], base, points
 
 
+def draft_memory_columns(docs: list[dict]) -> list[tuple[int, dict[tuple[float, str], tuple[dict, dict | None]]]]:
+    """The curves by batch size: (B, (share, way) -> (record, ondemand's record of the same
+    run)), merging the documents of one batch size (the real-size curve is one run per
+    draft memory, each beside its own ondemand)."""
+    columns: dict[int, dict] = {}
+    for doc in docs:
+        batch, base, points = draft_memory_points(doc)
+        columns.setdefault(batch, {}).update({key: (r, base) for key, r in points.items()})
+    return sorted(columns.items())
+
+
 def draft_memory_goals(docs: list[dict]) -> str:
     """Per batch size and draft memory: the allocator's tokens per step against the best
     single format's and the paper's draft at the same bytes (goals: >= 1.0x and >= 2x),
@@ -78,7 +89,7 @@ def draft_memory_means(docs: list[dict]) -> str:
     """Each way's tokens per step at each draft memory averaged over the batch sizes that
     measured it (two or more): whether the allocator's choice is the better one across
     batch sizes where the best single format changes with the batch size."""
-    curves = [(batch, points) for batch, _, points in map(draft_memory_points, docs)]
+    curves = [(batch, {key: r for key, (r, _) in points.items()}) for batch, points in draft_memory_columns(docs)]
     rows = []
     for share in sorted({s for _, points in curves for s, _ in points}):
         at = [(b, points) for b, points in curves if (share, "allocated") in points]
@@ -104,7 +115,7 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
             ("The demo model", "draft-memory", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
             ("The translation model (its decoder blocks draft)", "draft-memory-translate",
              [f"draft-memory-translate-{b}.json" for b in (1, 16, 64)]),
-            ("The real-size model (int8, int4 and the paper's draft beside the allocator)", None,
+            ("The real-size model (int8, int4 and the paper's draft beside the allocator)", "draft-memory-real-size",
              [f"draft-memory-real-size-{b}-{share}.json" for b, share, _, _ in REAL_SIZE_POINTS])):
         present = [docs[n] for n in names if n in docs]
         if not present:
@@ -134,7 +145,8 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
             "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
             "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
-            "draft-memory-translate).",
+            "draft-memory-translate; the real-size curve from bench-results/draft-memory-real-size-*.json, each "
+            "point's throughput against the ondemand of its own run).",
             tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                       f"--ablation-draft-memory {shares} --ablation-batch-size {b} {run} --json {{out}}/{stem}-{b}.json",
                       f"specmoe bench {model}--no-grid --ablation draft-memory --ablation-draft-memory 20% "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .draft_memory import draft_memory_points
+from .draft_memory import draft_memory_columns
 
 MARKERS = {"resident": "s", "ondemand": "o", "overlap": "^", "caching": "D", "host": "v", "specmoe": "*"}
 
@@ -161,19 +161,19 @@ def write_draft_memory_plot(docs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = sorted((draft_memory_points(d) for d in docs), key=lambda t: t[0])
+    curves = draft_memory_columns(docs)
     fig, axes = plt.subplots(2, len(curves), figsize=(5.2 * len(curves), 7.5), squeeze=False)
-    for col, (batch, base, points) in enumerate(curves):
+    for col, (batch, points) in enumerate(curves):
         top, bottom = axes[0][col], axes[1][col]
         for way in dict.fromkeys(w for _, w in sorted(points, key=lambda k: k[1] != "allocated")):
-            pts = sorted((s * 100, r) for (s, w), r in points.items() if w == way)
+            pts = sorted(((s * 100, r, base) for (s, w), (r, base) in points.items() if w == way),
+                         key=lambda p: p[0])
             marker, style, width = WAY_STYLES.get(way, ("o", "--", 1.0))
-            xs = [p[0] for p in pts]
-            top.plot(xs, [p[1]["tokens_per_step"] for p in pts], marker=marker, linestyle=style, linewidth=width,
-                     label=way)
-            if base:
-                bottom.plot(xs, [p[1]["decode_tokens_per_s"] / base["decode_tokens_per_s"] for p in pts],
-                            marker=marker, linestyle=style, linewidth=width, label=way)
+            top.plot([x for x, _, _ in pts], [r["tokens_per_step"] for _, r, _ in pts], marker=marker,
+                     linestyle=style, linewidth=width, label=way)
+            timed = [(x, r["decode_tokens_per_s"] / base["decode_tokens_per_s"]) for x, r, base in pts if base]
+            if timed:  # each point against the ondemand of its own run
+                bottom.plot(*zip(*timed), marker=marker, linestyle=style, linewidth=width, label=way)
         bottom.axhline(1.0, color="grey", linewidth=0.8, label="ondemand")
         top.set_title(f"B = {batch}")
         top.set_ylabel("tokens per step (per sequence)")
