@@ -23,10 +23,13 @@ from specmoe.autotune import draft_split
 from specmoe.autotune.draft_split import (
     LEAST_VERIFY_SLOTS,
     ExpertTimes,
+    SplitPoint,
     predict,
     prior_acceptance,
     split_candidates,
+    with_measured_speeds,
 )
+from specmoe.autotune import speeds
 from specmoe.autotune.learn import learn_from_run
 from specmoe.base.paths import cache_dir
 from specmoe.base.units import parse_size
@@ -132,6 +135,60 @@ def test_a_measured_acceptance_replaces_the_prior_for_that_draft(reference, tmp_
     second.generate(prompts, GREEDY)
     assert second.last_stats["token_ids_sha256"] == sha
     second.close()
+
+
+def _point(key, predicted_tps):
+    """A split predicted at `predicted_tps` tokens/s (16 sequences, 10 tokens a step)."""
+    return SplitPoint(1 << 30, "auto", 8, 0, 0.9, False, 10.0, 160.0 / predicted_tps, 16, key)
+
+
+def test_a_split_measured_here_ranks_by_its_measurement_the_rest_by_the_scaled_prediction():
+    points = [_point("memory@20.0%:auto", 30.0), _point("memory@27.0%:auto", 33.0), _point("memory@24.0%:auto", 32.0)]
+    # 27 % was predicted fastest and ran at 24 tok/s; 20 % ran at 27
+    seen = {"memory@27.0%:auto": 24.0, "memory@20.0%:auto": 27.0}
+    corrected = {p.key: p for p in with_measured_speeds(points, seen)}
+    assert corrected["memory@27.0%:auto"].tokens_per_s == 24.0 and corrected["memory@20.0%:auto"].tokens_per_s == 27.0
+    scale = (24.0 / 33.0 + 27.0 / 30.0) / 2  # the median of two
+    assert corrected["memory@24.0%:auto"].tokens_per_s == pytest.approx(32.0 * scale)
+    assert max(corrected.values(), key=lambda p: p.tokens_per_s).key == "memory@20.0%:auto"
+    assert "27.0 tok/s measured here (30.0 predicted)" in corrected["memory@20.0%:auto"].describe(4 << 30)
+    assert "scaled by 0.81" in corrected["memory@24.0%:auto"].describe(4 << 30)
+    assert with_measured_speeds(points, {}) == points  # nothing measured: the model alone
+
+
+def test_the_planner_takes_the_split_that_ran_fastest_here_at_this_batch_size(reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+    install_fixed_profile(tmp_path / "cache")
+    seen_points = []
+    real = draft_split.choose_split
+
+    def spy(*args, **kwargs):
+        best, points = real(*args, **kwargs)
+        seen_points.append(points)
+        return best, points
+
+    monkeypatch.setattr("specmoe.autotune.choose.choose_split", spy)
+    first = split_llm(reference, tmp_path)
+    fingerprint = first.engine.checkpoint.fingerprint()
+    first.close()
+    points = sorted(seen_points[0], key=lambda p: -p.tokens_per_s)
+    best = points[0]
+    other = next(p for p in points if p.draft_memory != best.draft_memory)  # the runner-up at another memory
+    # the predicted best ran at a tenth of its prediction, the runner-up as predicted
+    speeds.record(fingerprint, "disk", speeds.policy_key("specmoe", best.key, 3), 6, best.predicted_tokens_per_s / 10)
+    other_key = speeds.policy_key("specmoe", other.key, 3)
+    speeds.record(fingerprint, "disk", other_key, 2, 1e6)  # at another batch size: says nothing about this one
+    again = split_llm(reference, tmp_path)
+    assert again.engine.options.draft_memory != other.draft_memory
+    again.close()
+    speeds.record(fingerprint, "disk", other_key, 6, other.predicted_tokens_per_s)
+    learned = split_llm(reference, tmp_path)
+    assert (learned.engine.options.draft_memory, learned.engine.options.draft_quant) == \
+        (other.draft_memory, other.draft_quant)
+    assert "measured here" in learned.engine.auto_plan
+    learned.generate(reference[1], GREEDY)
+    assert learned.last_stats["token_ids_sha256"] == reference[2]
+    learned.close()
 
 
 def _scenario(llm, **hardware):

@@ -138,8 +138,23 @@ def choose_draft_memory(runtime) -> tuple:
     cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
     best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,
                            runtime.dtype, cache, opts.max_batch_size, opts.gamma,
-                           history.measured(runtime.checkpoint.fingerprint()), fused)
+                           history.measured(runtime.checkpoint.fingerprint()), fused, _split_speeds(runtime))
     return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)
+
+
+def _split_speeds(runtime) -> dict[str, float]:
+    """Decode tokens/s that runs of each split (draft memory and ways) measured on this tier
+    at this batch size and gamma: key (draft_split.history_key) -> median tokens/s."""
+    opts, fingerprint = runtime.options, runtime.checkpoint.fingerprint()
+    tier = speeds.tier_key(opts.offload, opts.offload_bandwidth)
+    out = {}
+    for draft, gamma in speeds.draft_variants(fingerprint, tier):
+        if not draft.startswith("memory@") or gamma != opts.gamma:
+            continue
+        seen = speeds.measured(fingerprint, tier, speeds.policy_key("specmoe", draft, gamma), opts.max_batch_size)
+        if seen is not None and seen[0] == opts.max_batch_size:  # another batch size's step is another step
+            out[draft] = seen[1]
+    return out
 
 
 def _fused_modes(runtime) -> tuple[str, ...]:

@@ -19,12 +19,20 @@ routing is seen, with its expected cost) and predicted in decode tokens/s:
   fetches: the experts it picks beyond each block's N full-precision draft experts and
   the share of the pool's other slots it keeps (the block's hottest), as far as
   verification's compute does not hide them.
+
+Its best candidates are often predicted within a few percent of each other, closer than
+the model's error (real-size model, B = 16: 32.1 to 33.4 tok/s predicted for 70 to 90 %
+of the room, where 70 % ran 10 % faster than 90 %). So a split that earlier runs timed here
+at this batch size is ranked by the tokens/s they measured (speeds.py, runs of four steps
+or more), and the others by their prediction scaled by the median measured / predicted of
+those (`with_measured_speeds`); nothing measured: the model alone.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,16 +75,32 @@ class SplitPoint:
     tokens_per_step: float
     step_s: float
     batch: int
+    key: str = ""  # the draft as history.py and speeds.py keep it (history_key)
+    seen_tokens_per_s: float | None = None  # what runs of this split measured here at this batch size
+    scale: float = 1.0  # else: measured / predicted of the splits that were measured (median)
+
+    @property
+    def predicted_tokens_per_s(self) -> float:
+        return self.batch * self.tokens_per_step / self.step_s
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch * self.tokens_per_step / self.step_s
+        if self.seen_tokens_per_s is not None:
+            return self.seen_tokens_per_s
+        return self.predicted_tokens_per_s * self.scale
 
     def describe(self, room: int) -> str:
         source = "measured" if self.measured else "prior"
+        if self.seen_tokens_per_s is not None:
+            speed = f"{self.tokens_per_s:.1f} tok/s measured here ({self.predicted_tokens_per_s:.1f} predicted)"
+        elif self.scale != 1.0:
+            speed = (f"{self.tokens_per_s:.1f} tok/s predicted, scaled by {self.scale:.2f} as the splits "
+                     "measured here ran")
+        else:
+            speed = f"{self.tokens_per_s:.1f} tok/s predicted"
         return (f"draft memory {format_bytes(self.draft_memory)} ({self.draft_memory / room:.0%} of the expert room, "
                 f"{self.draft_quant}), {self.verify_slots} verify slots: {self.tokens_per_step:.2f} tokens/step "
-                f"({source}), {self.tokens_per_s:.1f} tok/s predicted")
+                f"({source}), {speed}")
 
 
 def prior_acceptance(cost: float) -> float:
@@ -128,8 +152,17 @@ def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, ve
     return ExpertTimes(times, timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S))
 
 
+def with_measured_speeds(points: list[SplitPoint], seen: dict[str, float]) -> list[SplitPoint]:
+    """The points with the tokens/s runs measured here (`seen`: key -> tokens/s at this
+    batch size): a measured split ranks by its measurement, the others by their prediction
+    scaled by the median measured / predicted."""
+    ratios = [seen[p.key] / p.predicted_tokens_per_s for p in points if p.key in seen and p.predicted_tokens_per_s > 0]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return [replace(p, seen_tokens_per_s=seen.get(p.key), scale=scale) for p in points]
+
+
 def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, gamma: int,
-            acceptance: float | None, times: ExpertTimes) -> SplitPoint:
+            acceptance: float | None, times: ExpertTimes, key: str = "") -> SplitPoint:
     """The split `start` describes, predicted on scenario `sc` with the experts' measured times."""
     plan, s = start.plan, sc.shape
     measured = acceptance is not None
@@ -145,13 +178,15 @@ def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, 
     exposed = max(0.0, xfer - sc.hardware.transfer_overlap * verify)
     quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
     return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
-                      tokens_per_step(a, gamma), gamma * draft + verify + exposed, batch)
+                      tokens_per_step(a, gamma), gamma * draft + verify + exposed, batch, key)
 
 
 def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
                  batch: int, gamma: int, measured: dict[str, float],
-                 fused_modes: tuple[str, ...]) -> tuple[SplitPoint, list[SplitPoint]]:
-    """(the fastest predicted split, every split predicted)."""
+                 fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None,
+                 ) -> tuple[SplitPoint, list[SplitPoint]]:
+    """(the fastest split, every split predicted). `measured`: per-token acceptance earlier
+    runs measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py)."""
     c = ckpt.config
     picks = batch * c.top_k
     times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype, math.ceil(picks / sc.distinct(batch)),
@@ -163,9 +198,10 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
                 start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache)
             except SpecMoEError:
                 continue  # holds nothing in some block
-            seen = measured.get(history_key(ways, memory, c, slot_bytes))
-            points.append(predict(start, sc, room, slot_bytes, batch, gamma, seen, times))
+            key = history_key(ways, memory, c, slot_bytes)
+            points.append(predict(start, sc, room, slot_bytes, batch, gamma, measured.get(key), times, key))
     if not points:
         raise SpecMoEError(f"--draft-memory auto: the {format_bytes(room)} the budget leaves for experts hold no "
                            f"draft beside {LEAST_VERIFY_SLOTS} verification slots; raise --device-memory")
+    points = with_measured_speeds(points, speeds_here or {})
     return max(points, key=lambda p: p.tokens_per_s), points
