@@ -4,6 +4,7 @@ refuses, the fallback is announced on stderr and in the run statistics."""
 import errno
 import json
 import os
+import time
 
 import pytest
 from factories import random_prompts, run_cli
@@ -97,3 +98,18 @@ def test_info_says_whether_the_offload_dir_bypasses_the_page_cache(direct_dir, c
     code, out, err = run_cli(capsys, "info", "--offload-dir", direct_dir, "--json")
     info = json.loads(out)
     assert info["offload_direct"] is False and "refused" in info["offload_direct_reason"]
+
+
+def test_each_runs_read_time_counts_that_runs_reads_only(tiny_ckpt, direct_dir):
+    # throttled reads take most of a run; read time carried over from earlier runs would
+    # outgrow the later runs' own wall time, timed here around each call
+    llm = LLM(model=str(tiny_ckpt("mixtral")), device="cpu", policy="ondemand", offload="disk",
+              offload_dir=str(direct_dir), offload_bandwidth="20MB/s", max_batch_size=2, max_model_len=32)
+    prompts = random_prompts(2, max_len=8)
+    for _ in range(3):
+        start = time.perf_counter()
+        llm.generate(prompts, PARAMS)
+        wall = time.perf_counter() - start
+        read_s = llm.last_stats["offload_read_s"]
+        assert 0.3 * wall < read_s <= wall, (read_s, wall)
+    llm.close()

@@ -41,6 +41,10 @@ class ExpertStore:
         self.numel, self.dtype = numel, dtype
         self.nbytes = numel * torch.tensor([], dtype=dtype).element_size()
         self.bandwidth = bandwidth
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Start counting one run's reads (a run's statistics are that run's alone)."""
         self.read_bytes = 0
         self.read_s = 0.0
 

@@ -45,6 +45,7 @@ class OffloadPolicy(Policy):
         self.reset_stats()
 
     def reset_stats(self) -> None:
+        self.store.reset_counters()
         self.transfer.reset_counters()
         self.blocks.reset()
 
