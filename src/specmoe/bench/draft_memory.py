@@ -15,10 +15,11 @@ DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 
 # the portable path (about 1 tok/s at B = 16), two hours a curve; on every smaller curve they held
 # fewer tokens per step than int4 at 20 and 40 %. One run per draft memory: a run holds every
 # variant's engine for its rotation, and seven real-size engines outgrow 24 GiB
-# (B, draft memory in %, tokens, prompt batches); B = 1: four prompts one after another (about half
-# an hour a run here). 40 % at B = 1 and 64 are not measured yet: at B = 64 the variants no longer fit
-# side by side (the kernel killed the first try) and one at a time the run outlasts a session here
-REAL_SIZE_POINTS = ((1, 20, 48, 4), (16, 20, 32, 1), (16, 40, 32, 1), (64, 20, 32, 1))
+# (B, draft memory in %, tokens, prompt batches); B = 1: four prompts one after another. About half an
+# hour a run here; at B = 1 and 64 the variants do not fit side by side (the kernel killed the first
+# B = 64 try) and run one at a time
+REAL_SIZE_POINTS = ((1, 20, 48, 4), (1, 40, 48, 4), (16, 20, 32, 1), (16, 40, 32, 1), (64, 20, 32, 1),
+                    (64, 40, 32, 1))
 REAL_SIZE_WAYS = "allocated,int8,int4,paper"
 TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
 
@@ -141,8 +142,8 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "accepted, the table says so). Below each model's table, each way averaged over the batch sizes: "
             "where the draft is scarce (5-10 %) the best single format changes with the batch size (int3 where "
             "one sequence's experts are few, int2's wider coverage where a batch picks many). The real-size model at "
-            "B = 1 (four prompts of 48 tokens one after another, 20 %), 16 (32 tokens, 20 and 40 %) and 64 (32 tokens, "
-            "20 %), one run per draft memory, int8, int4 and the paper's draft beside the allocator "
+            "B = 1 (four prompts of 48 tokens one after another), 16 and 64 (32 tokens), at 20 and 40 %, one run per "
+            "draft memory, int8, int4 and the paper's draft beside the allocator "
             "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
             "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
             "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
