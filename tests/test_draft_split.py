@@ -179,8 +179,11 @@ def test_the_planner_takes_the_split_that_ran_fastest_here_at_this_batch_size(re
     other_key = speeds.policy_key("specmoe", other.key, 3)
     speeds.record(fingerprint, "disk", other_key, 2, 1e6)  # at another batch size: says nothing about this one
     again = split_llm(reference, tmp_path)
-    assert again.engine.options.draft_memory != other.draft_memory
     again.close()
+    # what the planner took for each split here (not its choice: unmeasured splits keep their
+    # predicted order, and predictions this close swap with the timing noise of the experts)
+    taken = {p.key: p.seen_tokens_per_s for p in seen_points[1]}
+    assert taken[other.key] is None and taken[best.key] == pytest.approx(best.predicted_tokens_per_s / 10)
     speeds.record(fingerprint, "disk", other_key, 6, other.predicted_tokens_per_s)
     learned = split_llm(reference, tmp_path)
     assert (learned.engine.options.draft_memory, learned.engine.options.draft_quant) == \
