@@ -95,10 +95,10 @@ SECTION = Section(
     "after another), 16 and 64, the real-size model at B = 16 (64 tokens, three timed rounds, each in another "
     "order); held-out prompts, real disk tier, one torch thread, each run beside ondemand in one rotation. The "
     "goal: the planner's tokens/s within 5 % of the curve's best point. The real-size planner planned from what "
-    "earlier runs on this machine had recorded, as a user's does: on a fresh cache (a 32-token run) it took 90 % "
-    "from the prior's prediction at 0.885x of the best point; after that run, the best point's very draft and pool "
-    "(allocated 70 %), at 0.789x of that point's own runs (runs of one holding differed by up to 27 %); after that "
-    "run and four of its own, the split below.",
+    "earlier runs on this machine had recorded, as a user's does: on a fresh cache (this command with --max-tokens 32) it took "
+    "90 % from the prior's prediction at 0.885x of the best point; after that run, the best point's very draft and "
+    "pool (allocated 70 %), at 0.789x of that point's own runs (this command; runs of one holding differed by up to "
+    "27 %); after that run and four of its own (each beside the same split given explicitly), the split below.",
     # the demo model at B = 1 (four prompts one after another), 16 and 64
     (*(Run(f"draft-split-{b}.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
           f"20%,30%,50%,70%,90% --ablation-batch-size {b} {ablation_run(64, 4 if b == 1 else 1)} "
