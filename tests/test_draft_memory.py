@@ -350,3 +350,31 @@ def test_one_run_per_draft_memory_makes_one_curve_each_point_against_its_own_ond
     assert row == ["20%", "1, 16", "6.50", "int4 5.00", "1.300x"]
     write_draft_memory_plot([low, one, high], str(tmp_path / "r.png"))
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(reference, tmp_path, monkeypatch):
+    """Reallocating after a prefill must not hold the old copies and the new together (up
+    to twice the draft's memory): every tensor of a copy no longer wanted is gone before
+    the first new copy is read."""
+    import gc
+    import weakref
+
+    from specmoe.experts import draft_copies
+
+    ckpt = Checkpoint(reference[0])
+    have, _ = draft_copies.load_copies(ckpt, {(0, 0): "int2", (0, 1): "int2", (1, 1): "int2"}, tmp_path, "cpu")
+    stale = [weakref.ref(t) for key in ((0, 1), (1, 1)) for t in _tensors(have.expert(*key))]
+    assert stale
+    alive_at_reads = []
+    read_rows = draft_copies._read_rows
+
+    def watched(*args):
+        for row in read_rows(*args):
+            gc.collect()
+            alive_at_reads.append(sum(r() is not None for r in stale))
+            yield row
+
+    monkeypatch.setattr(draft_copies, "_read_rows", watched)
+    new, read = draft_copies.load_copies(ckpt, {(0, 0): "int2", (0, 2): "int2", (1, 2): "int2"}, tmp_path, "cpu", have)
+    assert alive_at_reads == [0, 0] and read > 0
+    assert sorted(new.modes) == [(0, 0), (0, 2), (1, 2)]

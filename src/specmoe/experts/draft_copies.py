@@ -55,6 +55,11 @@ class ExpertCopies(QuantizedExperts):
     def has(self, layer: int, e: int) -> bool:
         return (layer, e) in self._experts
 
+    def retain(self, keys) -> None:
+        """Drop every copy but `keys`' (their tensors freed once nothing else holds them)."""
+        keys = set(keys)
+        self._experts = {k: q for k, q in self._experts.items() if k in keys}
+        self.modes = {k: m for k, m in self.modes.items() if k in keys}
 
 
 def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None, device,
@@ -70,6 +75,8 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
         else:
             by_mode.setdefault(mode, []).append(key)
     kernels = dict(have.kernels) if have is not None else {}
+    if have is not None:  # stale copies go before new ones are read: the two are never held together
+        have.retain(copies)
     for mode, keys in by_mode.items():
         choices = draft_kernel_choices(spec, mode, device)
         kernels.update({s.key: c.describe() for s, c in choices.items()})
