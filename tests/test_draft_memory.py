@@ -352,6 +352,24 @@ def test_one_run_per_draft_memory_makes_one_curve_each_point_against_its_own_ond
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
 
+def test_the_scarce_points_with_more_prompts_are_set_beside_the_curves_comparison():
+    """Each sampled point: the allocator against the best single format there, its prompt
+    count, and the same comparison on the curve's run of that model and batch size."""
+    from specmoe.bench.draft_memory import draft_memory_samples
+
+    curve = _curve_doc(1, {(0.05, "allocated"): (2.97, 6.0), (0.05, "int3"): (3.17, 6.0), (0.05, "paper"): (9.0, 9.0),
+                           (0.1, "allocated"): (9.5, 9.0), (0.1, "int3"): (10.0, 9.0)})
+    sample = _curve_doc(1, {(0.05, "allocated"): (3.01, 6.0), (0.05, "int3"): (2.87, 6.0), (0.05, "int2"): (3.09, 6.0),
+                            (0.1, "allocated"): (9.68, 9.0), (0.1, "int3"): (9.50, 9.0)})
+    sample["config"]["prompt_batches"] = 16
+    table = draft_memory_samples([("draft-memory-sample-1.json", sample)], {"draft-memory-1.json": curve})
+    low, high = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    assert low == ["demo", "1", "5%", "16", "3.01", "int3 2.87 · int2 3.09", "0.974x", "no", "0.937x (int3)"]
+    assert high[6:] == ["1.019x", "yes", "0.950x (int3)"]
+    translated = draft_memory_samples([("draft-memory-sample-translate-1.json", sample)], {})
+    assert translated.splitlines()[2].startswith("| translation | 1 | 5% |") and translated.splitlines()[2].endswith("| – |")
+
+
 def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(reference, tmp_path, monkeypatch):
     """Reallocating after a prefill must not hold the old copies and the new together (up
     to twice the draft's memory): every tensor of a copy no longer wanted is gone before

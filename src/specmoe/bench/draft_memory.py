@@ -22,6 +22,15 @@ REAL_SIZE_POINTS = ((1, 20, 48, 4), (1, 40, 48, 4), (16, 20, 32, 1), (16, 40, 32
                     (64, 40, 32, 1))
 REAL_SIZE_WAYS = "allocated,int8,int4,paper"
 TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
+# The scarce points again with four times the prompts: where the draft is scarce, the ways come within
+# a few % of each other, closer than one run's sampling error (at B = 1 the four prompts' winner among
+# the formats changed with the next twelve). Tokens per step alone, so the host tier (the draft and
+# verification compute the same on any tier) and the ways that came near the allocator there.
+# (file stem, model options, B, draft memories, tokens, prompt batches)
+SAMPLE_POINTS = (("draft-memory-sample", "", 1, "5%,10%", 96, 16), ("draft-memory-sample", "", 16, "5%,10%", 96, 4),
+                 ("draft-memory-sample", "", 64, "10%", 96, 2),
+                 ("draft-memory-sample-translate", TRANSLATE, 1, "5%,10%", 96, 16))
+SAMPLE_WAYS = "allocated,int4,int3,int2"
 
 
 def draft_memory_points(doc: dict) -> tuple[int, dict, dict[tuple[float, str], dict]]:
@@ -109,6 +118,38 @@ def draft_memory_means(docs: list[dict]) -> str:
             + "\n")
 
 
+def draft_memory_samples(samples: list[tuple[str, dict]], curves: dict[str, dict]) -> str:
+    """The scarce points with more prompts: the allocator against each single format, beside
+    the same comparison on the curve (`curves`: its documents by file name)."""
+    rows = []
+    for name, doc in samples:
+        batch, _, points = draft_memory_points(doc)
+        curve = curves.get(name.replace("-sample", ""))
+        on_curve = draft_memory_points(curve)[2] if curve else {}
+        for share in sorted({s for s, _ in points}):
+            at = {way: r for (s, way), r in points.items() if s == share}
+            if "allocated" not in at:
+                continue
+            mine, singles = at["allocated"], {w: r for w, r in at.items() if w != "allocated"}
+            best = max(singles, key=lambda w: singles[w]["tokens_per_step"])
+            ratio = mine["tokens_per_step"] / singles[best]["tokens_per_step"]
+            rows.append(["translation" if "translate" in name else "demo", str(batch), f"{share:.0%}",
+                         str(doc["config"]["prompt_batches"] * batch), _f(mine["tokens_per_step"], "{:.2f}"),
+                         " · ".join(f"{w} {singles[w]['tokens_per_step']:.2f}" for w in singles),
+                         f"{ratio:.3f}x", "yes" if ratio >= 1.0 else "no", _curve_ratio(on_curve, share)])
+    return md_table(["model", "B", "draft memory", "prompts", "allocated tok/step", "single formats",
+                     "allocated ÷ best", "≥ 1.0", "on the curve"], rows) + "\n"
+
+
+def _curve_ratio(points: dict, share: float) -> str:
+    """The allocator against the best single format at `share` on the curve."""
+    at = {way: r for (s, way), r in points.items() if s == share and way != "paper"}
+    if "allocated" not in at or len(at) < 2:
+        return "–"
+    best = max((w for w in at if w != "allocated"), key=lambda w: at[w]["tokens_per_step"])
+    return f"{at['allocated']['tokens_per_step'] / at[best]['tokens_per_step']:.3f}x ({best})"
+
+
 def draft_memory_section(docs: dict[str, dict]) -> str:
     """The goals per model and batch size, each way averaged over the batch sizes, and
     the curves' picture."""
@@ -127,6 +168,12 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
             text += ("\n" + draft_memory_means(present) + "\n"
                      f"![{title}: tokens per step and throughput against draft memory](docs/{stem}.png)\n")
         parts.append(text)
+    samples = [(n, docs[n]) for n in (f"{stem}-{b}.json" for stem, _, b, *_ in SAMPLE_POINTS) if n in docs]
+    if samples:
+        parts.append("### The scarce points with four times the prompts\n\n"
+                     "Tokens per step where the draft is scarce, again with four times the prompts (host tier: "
+                     "tokens per step do not depend on it), beside the curve's own comparison at that point "
+                     "(\"on the curve\"):\n\n" + draft_memory_samples(samples, docs))
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
@@ -148,7 +195,11 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
             "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
             "draft-memory-translate; the real-size curve from bench-results/draft-memory-real-size-*.json, each "
-            "point's throughput against the ondemand of its own run).",
+            "point's throughput against the ondemand of its own run). Where the draft is scarce the ways come within a "
+            "few % of each other, closer than one run's sampling error, so those points ran again with four times "
+            "the prompts (B = 1: 16 one after another, B = 16: 64, B = 64: 128 of 96 tokens), the allocator beside "
+            "the formats that came near it (int4, int3, int2), on the host tier: tokens per step do not depend on "
+            "the tier.",
             tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                       f"--ablation-draft-memory {shares} --ablation-batch-size {b} {run} --json {{out}}/{stem}-{b}.json",
                       f"specmoe bench {model}--no-grid --ablation draft-memory --ablation-draft-memory 20% "
@@ -166,5 +217,12 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                         f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways allocated,int8 "
                         f"--ablation-batch-size {min(b, 2)} {BENCH_SMOKE} --anchors none "
                         f"--json {{out}}/draft-memory-real-size-{b}-{share}.json")
-                    for b, share, tokens, batches in REAL_SIZE_POINTS),
+                    for b, share, tokens, batches in REAL_SIZE_POINTS)
+            + tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
+                        f"--ablation-draft-memory {shares} --ablation-draft-ways {SAMPLE_WAYS} --ablation-batch-size {b} "
+                        f"{ablation_run(tokens, batches)} --offload host --json {{out}}/{stem}-{b}.json",
+                        f"specmoe bench {model}--no-grid --ablation draft-memory --ablation-draft-memory 10% "
+                        f"--ablation-draft-ways allocated,int3 --ablation-batch-size {min(b, 2)} {BENCH_SMOKE} "
+                        f"--anchors none --offload host --json {{out}}/{stem}-{b}.json")
+                    for stem, model, b, shares, tokens, batches in SAMPLE_POINTS),
             draft_memory_section)
