@@ -99,7 +99,7 @@ def _twice_paper(ratio: float | None, paper: dict | None, mine: dict) -> str:
 def draft_memory_means(docs: list[dict]) -> str:
     """Each way's tokens per step at each draft memory averaged over the batch sizes that
     measured it (two or more): whether the allocator's choice is the better one across
-    batch sizes where the best single format changes with the batch size."""
+    batch sizes where the best single format changes from one batch size to the next."""
     curves = [(batch, {key: r for key, (r, _) in points.items()}) for batch, points in draft_memory_columns(docs)]
     rows = []
     for share in sorted({s for _, points in curves for s, _ in points}):
@@ -187,8 +187,8 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "draft of full-precision experts (paper). The goals: the allocator's tokens per step at least the best "
             "single format's and twice the paper's (where twice the paper's is above gamma + 1, every draft "
             "accepted, the table says so). Below each model's table, each way averaged over the batch sizes: "
-            "where the draft is scarce (5-10 %) the best single format changes with the batch size (int3 where "
-            "one sequence's experts are few, int2's wider coverage where a batch picks many). The real-size model at "
+            "where the draft is scarce (5-10 %) the best single format on the curve changes from one batch size to "
+            "the next, and with the sample (below). The real-size model at "
             "B = 1 (four prompts of 48 tokens one after another), 16 and 64 (32 tokens), at 20 and 40 %, one run per "
             "draft memory, int8, int4 and the paper's draft beside the allocator "
             "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
