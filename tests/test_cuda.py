@@ -294,3 +294,38 @@ def test_quantized_experts_stay_within_the_cuda_budget_with_their_scratch(tiny_c
     assert allowance < 2 * s["intermediate_size"] * llm.config.hidden_size * 4  # the scratch
     assert peak <= budget + allowance, (peak, budget, allowance)
     llm.close()
+
+
+@pytest.mark.parametrize("way,share", [("auto", 0.2), ("int2", 0.1)])
+def test_a_draft_memory_on_cuda_gives_residents_tokens_within_its_budget_as_copies_are_chosen_again(
+        tiny_ckpt, tmp_path, way, share):
+    """--draft-memory on the GPU (fused int8/int4 copies where the device has the kernels,
+    int2 through its dequantization scratch): requests prefilled in turns, so the copies
+    are chosen again after later prefills; resident's tokens, and the allocator's peak of
+    requested bytes within the budget (draft memory included) plus one pass of activations."""
+    s = CUDA_PEAK
+    path = tiny_ckpt("mixtral", intermediate_size=s["intermediate_size"])
+    prompts = random_prompts(6, 128, 3, 8, seed=11)
+    kw = dict(model=str(path), device="cuda", max_batch_size=s["batch"], max_model_len=s["max_model_len"])
+    ref = LLM(**kw)
+    ref.generate(prompts, GREEDY)
+    sha = ref.last_stats["token_ids_sha256"]
+    budget = expert_share_budget(ref, 0.3, s["batch"], s["max_model_len"])
+    draft = int(share * ref.engine.policy.runtime.expert_bytes * len(ref.engine.policy.runtime.expert_keys))
+    ref.close()
+    del ref
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = cuda_requested_bytes()
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(**kw, policy="specmoe", offload="host", offload_dir=str(tmp_path), device_memory=budget + draft,
+              draft_memory=draft, draft_quant=way, gamma=s["gamma"])
+    llm.generate(prompts, GREEDY)
+    torch.cuda.synchronize()
+    peak = cuda_requested_bytes("peak") - baseline
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["draft_reload_bytes"] > stats["draft_copies_bytes"]  # copies were read again after a later prefill
+    allowance = cuda_activation_allowance(llm.config, pass_tokens(prompts, s["batch"], s["gamma"]), s["max_model_len"])
+    assert peak <= budget + draft + allowance, (peak, budget + draft, allowance)
+    llm.close()

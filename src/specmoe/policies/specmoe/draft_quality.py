@@ -65,7 +65,7 @@ def measure_block(ckpt: Checkpoint, layer: int, x: torch.Tensor, counts: list[in
     used): the relative output error of each quantized `mode` and of substitution, averaged
     over its SAMPLED_EXPERTS most picked experts (`counts`: picks per expert)."""
     spec = ckpt.config.expert
-    x = x[:SAMPLE_ROWS].float()
+    x = x[:SAMPLE_ROWS].float().cpu()  # the experts are read to the host: measured there, no device bytes
     experts = sorted(range(len(counts)), key=lambda e: (-counts[e], e))[:SAMPLED_EXPERTS]
     sums = {w: 0.0 for w in (*modes, SUBSTITUTE)}
     for e in experts:
