@@ -92,7 +92,7 @@ def test_auto_calibrates_in_the_offload_dir(tmp_path, monkeypatch):
 
     seen = {}
 
-    def measure(name, directory, size, engine=True, offload_dir=None):
+    def measure(name, directory, size, engine=True, offload_dir=None, device_bytes=None):
         seen.update(directory=directory, offload_dir=offload_dir)
         return replace(load_profile("h100-pcie5-ssd"), name=name, slow_tier="disk"), {}
 
@@ -100,3 +100,27 @@ def test_auto_calibrates_in_the_offload_dir(tmp_path, monkeypatch):
     profile = choose.machine_profile("disk", None, str(tmp_path / "experts"))
     assert seen == {"directory": tmp_path / "experts", "offload_dir": str(tmp_path / "experts")}
     assert profile.name == "local" and load_profile("local") == profile  # saved for next time
+
+
+def test_a_gpu_calibrated_within_the_device_budget_is_used_for_the_run_and_not_saved(tmp_path, monkeypatch, capsys):
+    """At an engine's start the calibration may take only the device bytes the budget has
+    not reserved (test_cuda.py measures that on a GPU); a GPU measured in buffers smaller
+    than its usual ones plans this run, is not saved as the machine's profile, and the
+    user is told how to save a full one; measuring is stood in for."""
+    from dataclasses import replace
+
+    from specmoe.autotune import choose
+
+    seen = {}
+
+    def measure(name, directory, size, engine=True, offload_dir=None, device_bytes=None):
+        seen["device_bytes"] = device_bytes
+        return replace(load_profile("h100-pcie5-ssd"), name=name, slow_tier="host"), {"cuda_buffers_capped": True}
+
+    monkeypatch.setattr(choose, "calibrate", measure)
+    profile = choose.machine_profile("host", 1e9, None, device_room=12 << 20)
+    assert seen == {"device_bytes": 12 << 20}
+    assert profile.name == "local" and profile.slow_tier_read_bw == 1e9  # --offload-bandwidth still caps it
+    with pytest.raises(ValueError):
+        load_profile("local")
+    assert "run `specmoe calibrate` once" in capsys.readouterr().err

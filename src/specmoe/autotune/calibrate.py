@@ -74,16 +74,17 @@ def with_engine_terms(profile: HardwareProfile, m: dict) -> HardwareProfile:
 
 
 def calibrate(name: str, directory: Path, size: int, engine: bool = True,
-              offload_dir: str | None = None) -> tuple[HardwareProfile, dict]:
+              offload_dir: str | None = None, device_bytes: int | None = None) -> tuple[HardwareProfile, dict]:
     """Measure and build the profile. CPU-only machines also run the engine probe on the
     bundled demo model (a few seconds) unless `engine` is False; its expert file goes to
-    `offload_dir` (default: the cache dir's, where runs keep theirs)."""
+    `offload_dir` (default: the cache dir's, where runs keep theirs). `device_bytes`: the
+    most GPU memory the measurements may take (an engine's start under --device-memory)."""
     m = measure_disk(directory, size)
     # a copy smaller than 64 MiB would measure caches, not DRAM
     m.update(measure_host(copy_bytes=min(256 << 20, max(64 << 20, size))))
     cuda = torch.cuda.is_available()
     if cuda:
-        m.update(measure_cuda())
+        m.update(measure_cuda(device_bytes))
     profile = build_profile(name, m, cuda)
     if engine and not cuda:
         m.update(calibrate_engine(profile, offload_dir=offload_dir))

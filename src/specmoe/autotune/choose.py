@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..base.errors import SpecMoEError, warn
 from ..base.paths import cache_dir, offload_dir
+from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario
 from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
@@ -35,14 +36,22 @@ from .draft_split import LEAST_VERIFY_SLOTS, choose_split
 LOCAL_PROFILE = "local"
 
 
-def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None = None):
+def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None = None,
+                    device_room: int | None = None):
     """This machine's calibrated profile for experts on `tier` (calibrated once if missing;
-    the disk is measured, and the probe's expert file kept, in `offload_dir` when given)."""
+    the disk is measured, and the probe's expert file kept, in `offload_dir` when given).
+    `device_room`: the device bytes the calibration may take (what the budget has not yet
+    reserved); a GPU's measured in less than its usual buffers is used for this run only."""
     profile = _saved_profile(tier)
     if profile is None:
         print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
         measured, m = calibrate(LOCAL_PROFILE, Path(offload_dir) if offload_dir else cache_dir() / "calibrate",
-                                64 << 20, offload_dir=offload_dir)
+                                64 << 20, offload_dir=offload_dir, device_bytes=device_room)
+        if m.get("cuda_buffers_capped"):
+            warn(f"the calibration measured the GPU within --device-memory ({format_bytes(device_room)} free), "
+                 "in smaller buffers than it needs to be exact: used for this run, not saved; "
+                 "run `specmoe calibrate` once to save this machine's profile")
+            return _capped(measured, bandwidth)
         try:
             save_profile(measured, m)
             if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
@@ -50,6 +59,11 @@ def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None 
         except OSError as exc:  # a read-only cache dir: plan with it, measure again next time
             warn(f"cannot save the calibrated profile in {profiles_dir()} ({exc.strerror or exc})")
         profile = _saved_profile(tier) or measured
+    return _capped(profile, bandwidth)
+
+
+def _capped(profile, bandwidth: float | None):
+    """The profile with its slow tier's read bandwidth capped at --offload-bandwidth."""
     if bandwidth:
         profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))
     return profile
@@ -131,7 +145,7 @@ def choose_draft_memory(runtime) -> tuple:
                            "give --device-memory too, or --draft-memory as a size")
     # what the budget leaves for experts: less the scratch quantized experts dequantize into (reserved before the pool)
     room = runtime.budget.available() - runtime.expert_format.scratch_bytes(runtime.dtype)
-    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir, runtime.budget.available())
     shape, kwargs = _model_inputs(runtime)
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
     fused = _fused_modes(runtime)
@@ -168,7 +182,7 @@ def choose_policy(runtime) -> tuple:
     """(EngineConfig with the chosen policy and its knobs, a one-line description of the
     plan) for this runtime's model and budget."""
     opts = runtime.options
-    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir)
+    hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir, runtime.budget.available())
     policies = CANDIDATES + (("host",) if opts.offload == "host" else ())
     shape, kwargs = _model_inputs(runtime)
     corrections = _corrections(runtime, shape, hardware, kwargs, policies)

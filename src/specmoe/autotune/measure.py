@@ -189,11 +189,21 @@ def measure_host(copy_bytes: int = 256 << 20) -> dict:
     return out
 
 
-def measure_cuda() -> dict:
+# what measure_cuda allocates on the GPU at most, unbounded: its copies and matmuls' buffers
+CUDA_MEASURE_BYTES = 2 << 30
+
+
+def measure_cuda(max_bytes: int | None = None) -> dict:
+    """Host-to-device and device bandwidths, bf16 matmul FLOP/s and launch cost. `max_bytes`:
+    the most device bytes its buffers may take at once (an engine's start under a device
+    budget); smaller buffers than the defaults measure less exactly, and `cuda_buffers_capped`
+    says so."""
     dev = torch.device("cuda")
-    n = 256 << 20
+    cap = CUDA_MEASURE_BYTES if max_bytes is None else max(1 << 20, min(max_bytes, CUDA_MEASURE_BYTES))
+    n = min(256 << 20, cap)
     out = {"cuda_device": torch.cuda.get_device_name(dev),
-           "cuda_memory_bytes": torch.cuda.get_device_properties(dev).total_memory}
+           "cuda_memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
+           "cuda_buffers_capped": cap < CUDA_MEASURE_BYTES}
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     for kind, src in (("pinned", torch.ones(n, dtype=torch.uint8).pin_memory()),
                       ("pageable", torch.ones(n, dtype=torch.uint8))):
@@ -201,6 +211,7 @@ def measure_cuda() -> dict:
             dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
         out[f"h2d_{kind}_bw"] = n / timed(copy)
+    del dst
     tiny = torch.ones(1024, dtype=torch.float32).pin_memory()
     tiny_dev = torch.empty_like(tiny, device=dev)
     torch.cuda.synchronize()
@@ -209,14 +220,19 @@ def measure_cuda() -> dict:
         tiny_dev.copy_(tiny, non_blocking=True)
     torch.cuda.synchronize()
     out["h2d_latency_s"] = (time.perf_counter() - t0) / 200  # per small copy: the fixed cost of a transfer
-    out["gpu_matmul_flops_bf16"] = matmul_flops(torch.bfloat16, dev, 8192, torch.cuda.synchronize)
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    # a square bf16 product holds its float32 draw, two factors and the product: 10 bytes an element
+    size = 8192
+    while size > 256 and 10 * size * size > cap:
+        size //= 2
+    out["gpu_matmul_flops_bf16"] = matmul_flops(torch.bfloat16, dev, size, torch.cuda.synchronize)
+    big = torch.empty(min(1 << 30, cap // 2), dtype=torch.uint8, device=dev)
     big2 = torch.empty_like(big)
 
     def dcopy():
         big2.copy_(big)
         torch.cuda.synchronize()
     out["gpu_mem_bw"] = 2 * big.numel() / timed(dcopy)
+    del big, big2
     small = torch.ones(1, device=dev)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -224,7 +240,6 @@ def measure_cuda() -> dict:
         small.add_(1)
     torch.cuda.synchronize()
     out["gpu_launch_s"] = (time.perf_counter() - t0) / 1000
-    del big, big2, dst
     torch.cuda.empty_cache()
     return out
 
