@@ -975,18 +975,22 @@ def pass_tokens(prompts, batch: int, gamma: int) -> int:
     return max(sum(map(len, prompts)), batch * (gamma + 1))
 
 
-def cuda_activation_allowance(config, tokens: int, kv_len: int) -> int:
+def cuda_activation_allowance(config, tokens: int, kv_len: int, grouped: bool = False) -> int:
     """What one forward pass of `tokens` tokens may allocate on CUDA beyond the budget: its
     activations, float32. Per token: hidden states, norms and residuals (8 D), q/k/v/o
     (4 H d), attention scores and probabilities over kv_len keys (2 H kv_len), router
     logits (E), the running expert's gate/up output (2 I; experts run one at a time),
-    logits (V). That sum counts every phase as alive at once, which none is; doubled for
-    the temporaries an operator holds beside its output. Nothing for the caching
-    allocator's rounding to 512 B: the tests compare the allocator's requested bytes."""
+    logits (V); that sum counts every phase as alive at once, which none is, doubled for
+    the temporaries an operator holds beside its output. `grouped`: a block's experts run
+    as one grouped computation (resident's float experts), which holds every pick's
+    gate/up output, activation and product (4 I a pick, top_k picks a token) at once: 16
+    picks of I = 4096 held 1.05 MB on an H200. Nothing for the caching allocator's
+    rounding to 512 B: the tests compare the allocator's requested bytes."""
     c = config
     per_token = (8 * c.hidden_size + 4 * c.num_heads * c.head_dim + 2 * c.num_heads * kv_len + c.num_experts
-                 + 2 * c.expert_intermediate_size + c.vocab_size)
-    return 2 * 4 * per_token * tokens
+                 + c.vocab_size)
+    experts = c.top_k * 4 * c.expert_intermediate_size if grouped else 2 * 2 * c.expert_intermediate_size
+    return 4 * (2 * per_token + experts) * tokens
 
 
 def cuda_requested_bytes(stat: str = "current") -> int:
