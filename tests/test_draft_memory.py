@@ -362,10 +362,25 @@ def test_the_scarce_points_with_more_prompts_are_set_beside_the_curves_compariso
     sample = _curve_doc(1, {(0.05, "allocated"): (3.01, 6.0), (0.05, "int3"): (2.87, 6.0), (0.05, "int2"): (3.09, 6.0),
                             (0.1, "allocated"): (9.68, 9.0), (0.1, "int3"): (9.50, 9.0)})
     sample["config"]["prompt_batches"] = 16
+    per_request = {"allocated 5%": [[30, 10], [30, 10]], "int2 5%": [[31, 10], [31, 10]],
+                   "allocated 10%": [[90, 9], [10, 1]], "int3 10%": [[90, 10], [10, 1]]}
+    for r in sample["ablations"][0]["records"]:
+        if r["label"] in per_request:
+            r["sequence_decode"] = per_request[r["label"]]
     table = draft_memory_samples([("draft-memory-sample-1.json", sample)], {"draft-memory-1.json": curve})
     low, high = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
-    assert low == ["demo", "1", "5%", "16", "3.01", "int3 2.87 · int2 3.09", "0.974x", "no", "0.937x (int3)"]
-    assert high[6:] == ["1.019x", "yes", "0.950x (int3)"]
+    # every request 3.0 against 3.1 tokens a step: no resampling reaches 1.0
+    assert low == ["demo", "1", "5%", "16", "3.01", "int3 2.87 · int2 3.09", "0.974x", "0.968-0.968", "no",
+                   "0.937x (int3)"]
+    # one request gains 10 %, one does not: resampled, from 1.0 (the second twice) to 1.11 (the first twice)
+    assert high[6:] == ["1.019x", "1.000-1.111", "yes", "0.950x (int3)"]
+    close = _curve_doc(16, {(0.05, "allocated"): (1.4, 6.0), (0.05, "int2"): (1.45, 6.0)})
+    close["config"]["prompt_batches"] = 1
+    for r, counts in zip(close["ablations"][0]["records"][1:3], ([[8, 10], [20, 10]], [[10, 10], [19, 10]])):
+        r["sequence_decode"] = counts  # below overall, above on the second request alone
+    (row,) = [line.strip("| ").split(" | ") for line in
+              draft_memory_samples([("draft-memory-sample-16.json", close)], {}).splitlines()[2:]]
+    assert row[6:] == ["0.966x", "0.800-1.053", "no; 1.0 in the interval", "–"]
     translated = draft_memory_samples([("draft-memory-sample-translate-1.json", sample)], {})
     assert translated.splitlines()[2].startswith("| translation | 1 | 5% |") and translated.splitlines()[2].endswith("| – |")
 
@@ -396,3 +411,16 @@ def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(re
     new, read = draft_copies.load_copies(ckpt, {(0, 0): "int2", (0, 2): "int2", (1, 2): "int2"}, tmp_path, "cpu", have)
     assert alive_at_reads == [0, 0] and read > 0
     assert sorted(new.modes) == [(0, 0), (0, 2), (1, 2)]
+
+
+def test_each_requests_decode_tokens_and_steps_add_up_to_the_runs_tokens_per_step(reference, tmp_path):
+    """The per-request counts the scarce points' intervals resample are the run's own."""
+    _, prompts, _, _, _ = reference
+    llm, _ = memory_llm(reference, tmp_path, 0.2)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    per_request = stats["sequence_decode"]
+    assert len(per_request) == len(prompts) and all(steps > 0 for _, steps in per_request)
+    assert sum(t for t, _ in per_request) == stats["generated_tokens"] - len(prompts)
+    assert sum(t for t, _ in per_request) / sum(s for _, s in per_request) == pytest.approx(stats["tokens_per_step"])
+    llm.close()

@@ -100,6 +100,9 @@ def summarize(
         # the whole process's peak resident memory, as the kernel measured it (not the ledger)
         "host_peak_bytes": peak_rss_bytes(),
         "token_ids_sha256": token_ids_sha256([s.output_ids for s in seqs]),
+        # each request's decode tokens (its first comes from the prefill) and decode steps, in
+        # request order: tokens per step with a confidence interval over the requests
+        "sequence_decode": [[max(len(s.output_ids) - 1, 0), s.steps] for s in seqs],
     }
     stats["compute_s"] = counters.prefill_s + counters.decode_s - float(policy_stats.get("transfer_wait_s", 0.0))
     for key, value in policy_stats.items():
