@@ -71,7 +71,7 @@ def test_cuda_measurements_make_a_host_tier_gpu_profile_and_a_disk_variant():
          "gpu_matmul_flops_bf16": 700e12, "gpu_mem_bw": 4e12, "gpu_launch_s": 4e-6}
     p = calibrate.build_profile("gpubox", m, cuda=True)
     assert (p.slow_tier, p.fetch_bw, p.device_matmul_flops, p.h2d_pageable_bw) == ("host", 50e9, 700e12, 20e9)
-    d = calibrate.disk_variant(p, m)
+    d = calibrate.second_tier(p, m)
     assert (d.name, d.slow_tier, d.fetch_bw) == ("gpubox-disk", "disk", 6e9)
 
 
@@ -81,6 +81,31 @@ def test_cpu_measurements_make_the_cpu_the_device_and_the_disk_the_slow_tier():
          "disk_latency_s": 1e-4}
     p = calibrate.build_profile("cpubox", m, cuda=False)
     assert (p.slow_tier, p.fetch_bw, p.device_matmul_flops, p.device_mem_bw) == ("disk", 1.6e9, 5e11, 20e9)
+    h = calibrate.second_tier(p, m)  # --offload host there: a fetch is a copy within DRAM
+    assert (h.name, h.slow_tier, h.fetch_bw, h.transfer_latency_s) == ("cpubox-host", "host", 10e9, 3e-6)
+
+
+def test_the_planner_calibrates_a_cpu_only_machine_once_for_either_tier(tmp_path, monkeypatch, capsys):
+    """On a machine without a GPU, --offload host used to find no saved profile of its tier,
+    calibrate at every engine start and plan with the disk's; measuring is stood in for."""
+    from specmoe.autotune import choose
+
+    m = {"host_matmul_flops_bf16": 5e11, "host_matmul_flops_fp32": 2e11, "host_mem_bw": 20e9,
+         "host_copy_bw": 10e9, "host_op_overhead_s": 3e-6, "host_threads": 2, "disk_read_bw": 1.6e9,
+         "disk_latency_s": 1e-4}
+    calls = []
+
+    def measure(name, directory, size, engine=True, offload_dir=None, device_bytes=None):
+        calls.append(name)
+        return calibrate.build_profile(name, m, cuda=False), m
+
+    monkeypatch.setattr(choose, "calibrate", measure)
+    host = choose.machine_profile("host", None)
+    disk = choose.machine_profile("disk", None)
+    assert calls == ["local"] and capsys.readouterr().err.count("calibrating") == 1
+    assert (host.name, host.slow_tier, host.fetch_bw) == ("local-host", "host", 10e9)
+    assert (disk.name, disk.slow_tier, disk.fetch_bw) == ("local", "disk", 1.6e9)
+    assert choose.machine_profile("host", None) == host and calls == ["local"]
 
 
 def test_auto_calibrates_in_the_offload_dir(tmp_path, monkeypatch):
@@ -94,7 +119,8 @@ def test_auto_calibrates_in_the_offload_dir(tmp_path, monkeypatch):
 
     def measure(name, directory, size, engine=True, offload_dir=None, device_bytes=None):
         seen.update(directory=directory, offload_dir=offload_dir)
-        return replace(load_profile("h100-pcie5-ssd"), name=name, slow_tier="disk"), {}
+        return (replace(load_profile("h100-pcie5-ssd"), name=name, slow_tier="disk"),
+                {"host_copy_bw": 10e9, "host_op_overhead_s": 3e-6})
 
     monkeypatch.setattr(choose, "calibrate", measure)
     profile = choose.machine_profile("disk", None, str(tmp_path / "experts"))

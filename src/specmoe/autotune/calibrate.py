@@ -59,6 +59,20 @@ def disk_variant(profile: HardwareProfile, m: dict) -> HardwareProfile:
                    description=profile.description.replace("experts in host DRAM", "experts on disk"))
 
 
+def host_variant(profile: HardwareProfile, m: dict) -> HardwareProfile:
+    """A CPU-only machine with experts in a host-memory store (``--offload host``): a fetch
+    is a copy within DRAM, at the measured copy rate, with an operator's overhead."""
+    return replace(profile, name=f"{profile.name}-host", slow_tier="host", slow_tier_read_bw=m["host_copy_bw"],
+                   transfer_latency_s=max(m["host_op_overhead_s"], 1e-8), transfer_overlap=1.0,
+                   description=profile.description.replace("experts on disk", "experts in host memory"))
+
+
+def second_tier(profile: HardwareProfile, m: dict) -> HardwareProfile:
+    """The machine's profile for its other tier: disk beside a GPU's host DRAM, host memory
+    beside a CPU-only machine's disk."""
+    return disk_variant(profile, m) if profile.slow_tier == "host" else host_variant(profile, m)
+
+
 def with_engine_terms(profile: HardwareProfile, m: dict) -> HardwareProfile:
     """The CPU profile with the engine probe's fitted rates and overheads (probe.py):
     what the engine attains, not what a large matmul does; a fetch costs what the engine

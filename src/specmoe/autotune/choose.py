@@ -30,7 +30,7 @@ from ..experts.quant import BITS, draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from . import history, speeds
-from .calibrate import calibrate, disk_variant
+from .calibrate import calibrate, second_tier
 from .draft_split import LEAST_VERIFY_SLOTS, choose_split
 
 LOCAL_PROFILE = "local"
@@ -44,7 +44,7 @@ def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None 
     reserved); a GPU's measured in less than its usual buffers is used for this run only."""
     profile = _saved_profile(tier)
     if profile is None:
-        print("specmoe: calibrating this machine once for --policy auto (saved as profile 'local')", file=sys.stderr)
+        print("specmoe: calibrating this machine once for the planner (saved as profile 'local')", file=sys.stderr)
         measured, m = calibrate(LOCAL_PROFILE, Path(offload_dir) if offload_dir else cache_dir() / "calibrate",
                                 64 << 20, offload_dir=offload_dir, device_bytes=device_room)
         if m.get("cuda_buffers_capped"):
@@ -54,8 +54,7 @@ def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None 
             return _capped(measured, bandwidth)
         try:
             save_profile(measured, m)
-            if measured.slow_tier == "host":  # a GPU machine: its disk is a second tier
-                save_profile(disk_variant(measured, m), m)
+            save_profile(second_tier(measured, m), m)  # the other tier: a GPU machine's disk, a CPU's host memory
         except OSError as exc:  # a read-only cache dir: plan with it, measure again next time
             warn(f"cannot save the calibrated profile in {profiles_dir()} ({exc.strerror or exc})")
         profile = _saved_profile(tier) or measured
@@ -70,8 +69,9 @@ def _capped(profile, bandwidth: float | None):
 
 
 def _saved_profile(tier: str):
-    """'local-disk' on a GPU machine; on a CPU-only one 'local' already has the disk as its slow tier."""
-    for name in (LOCAL_PROFILE + "-disk", LOCAL_PROFILE) if tier == "disk" else (LOCAL_PROFILE,):
+    """'local-TIER' where the machine's main profile has the other tier ('local-disk' on a
+    GPU machine, 'local-host' on a CPU-only one), else 'local'."""
+    for name in (f"{LOCAL_PROFILE}-{tier}", LOCAL_PROFILE):
         try:
             profile = load_profile(name)
         except ValueError as exc:

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..autotune.calibrate import calibrate, disk_variant
+from ..autotune.calibrate import calibrate, second_tier
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, os_failure
 from ..base.paths import DEMO_MODEL_DIR, cache_dir
@@ -46,7 +46,8 @@ def run_calibrate(args) -> int:
     try:
         profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe, offload_dir=args.dir)
         path = save_profile(profile, m)
-        extra = save_profile(disk_variant(profile, m), m) if profile.slow_tier == "host" else None
+        other = second_tier(profile, m)
+        extra = save_profile(other, m)
     except OSError as e:  # the main command prints it: one line, exit status 1
         raise os_failure(e, f"cannot measure the disk in {directory}",
                          "pass --dir DIR on a writable disk with room for --size") from None
@@ -75,8 +76,7 @@ def run_calibrate(args) -> int:
                   + (f"; an expert fetch costs {m['engine_fetch_s'] * 1e3:.2f} ms" if "engine_fetch_s" in m else ""))
         print("torch's fused CPU kernels here: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))
         print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
-        if extra:
-            print(f"saved profile {profile.name}-disk (experts on this disk) to {extra}")
+        print(f"saved profile {other.name!r} (experts on the {other.slow_tier} tier) to {extra}")
     return 0
 
 
