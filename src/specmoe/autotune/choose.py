@@ -51,17 +51,17 @@ def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None 
             warn(f"the calibration measured the GPU within --device-memory ({format_bytes(device_room)} free), "
                  "in smaller buffers than it needs to be exact: used for this run, not saved; "
                  "run `specmoe calibrate` once to save this machine's profile")
-            return _capped(measured, bandwidth)
+            return _bandwidth_limited(measured, bandwidth)
         try:
             save_profile(measured, m)
             save_profile(second_tier(measured, m), m)  # the other tier: a GPU machine's disk, a CPU's host memory
         except OSError as exc:  # a read-only cache dir: plan with it, measure again next time
             warn(f"cannot save the calibrated profile in {profiles_dir()} ({exc.strerror or exc})")
         profile = _saved_profile(tier) or measured
-    return _capped(profile, bandwidth)
+    return _bandwidth_limited(profile, bandwidth)
 
 
-def _capped(profile, bandwidth: float | None):
+def _bandwidth_limited(profile, bandwidth: float | None):
     """The profile with its slow tier's read bandwidth capped at --offload-bandwidth."""
     if bandwidth:
         profile = replace(profile, slow_tier_read_bw=min(profile.slow_tier_read_bw, bandwidth))

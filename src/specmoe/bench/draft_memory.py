@@ -55,6 +55,18 @@ def draft_memory_columns(docs: list[dict]) -> list[tuple[int, dict[tuple[float, 
     return sorted(columns.items())
 
 
+def ways_at(points: dict[tuple[float, str], dict], share: float) -> dict[str, dict]:
+    """way -> record at one draft memory of a curve."""
+    return {way: r for (s, way), r in points.items() if s == share}
+
+
+def best_single(at: dict[str, dict]) -> str | None:
+    """The single format with the most tokens per step among `at`'s ways (neither the
+    allocator nor the paper's draft); None if there is none."""
+    singles = [w for w in at if w not in ("allocated", "paper")]
+    return max(singles, key=lambda w: at[w]["tokens_per_step"], default=None)
+
+
 def draft_memory_goals(docs: list[dict]) -> str:
     """Per batch size and draft memory: the allocator's tokens per step against the best
     single format's and the paper's draft at the same bytes (goals: >= 1.0x and >= 2x),
@@ -65,22 +77,21 @@ def draft_memory_goals(docs: list[dict]) -> str:
     for doc in docs:
         batch, base, points = draft_memory_points(doc)
         for share in sorted({s for s, _ in points}):
-            at = {way: r for (s, way), r in points.items() if s == share}
+            at = ways_at(points, share)
             mine = at.get("allocated")
-            singles = {w: r for w, r in at.items() if w not in ("allocated", "paper")}
-            best = max(singles.items(), key=lambda kv: kv[1]["tokens_per_step"], default=(None, None))
-            paper = at.get("paper")
+            best = best_single(at)
+            top, paper = at.get(best), at.get("paper")
             if mine is None:
                 continue
 
             def x_ondemand(r):
                 return f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if r and base else "–"
 
-            vs_best = mine["tokens_per_step"] / best[1]["tokens_per_step"] if best[1] else None
+            vs_best = mine["tokens_per_step"] / top["tokens_per_step"] if top else None
             vs_paper = mine["tokens_per_step"] / paper["tokens_per_step"] if paper else None
             rows.append([str(batch), f"{share:.0%}", _f(mine["tokens_per_step"], "{:.2f}"),
                          _f(mine.get("acceptance_rate"), "{:.2f}"), x_ondemand(mine),
-                         f"{best[0]} {_f(best[1]['tokens_per_step'], '{:.2f}')}" if best[1] else "–",
+                         f"{best} {_f(top['tokens_per_step'], '{:.2f}')}" if top else "–",
                          _f(vs_best, "{:.3f}x"), "yes" if vs_best is not None and vs_best >= 1.0 else "no",
                          _f(paper["tokens_per_step"], "{:.2f}") if paper else "does not fit",
                          _f(vs_paper, "{:.2f}x"), _twice_paper(vs_paper, paper, mine)])
@@ -146,11 +157,11 @@ def draft_memory_samples(samples: list[tuple[str, dict]], curves: dict[str, dict
         curve = curves.get(name.replace("-sample", ""))
         on_curve = draft_memory_points(curve)[2] if curve else {}
         for share in sorted({s for s, _ in points}):
-            at = {way: r for (s, way), r in points.items() if s == share}
-            if "allocated" not in at:
+            at = ways_at(points, share)
+            best = best_single(at)
+            if "allocated" not in at or best is None:
                 continue
-            mine, singles = at["allocated"], {w: r for w, r in at.items() if w != "allocated"}
-            best = max(singles, key=lambda w: singles[w]["tokens_per_step"])
+            mine, singles = at["allocated"], {w: r for w, r in at.items() if w not in ("allocated", "paper")}
             ratio = mine["tokens_per_step"] / singles[best]["tokens_per_step"]
             interval = ratio_interval(mine.get("sequence_decode"), singles[best].get("sequence_decode"))
             met = "yes" if ratio >= 1.0 else "no" if interval is None or interval[1] < 1.0 else "no; 1.0 in the interval"
@@ -165,10 +176,10 @@ def draft_memory_samples(samples: list[tuple[str, dict]], curves: dict[str, dict
 
 def _curve_ratio(points: dict, share: float) -> str:
     """The allocator against the best single format at `share` on the curve."""
-    at = {way: r for (s, way), r in points.items() if s == share and way != "paper"}
-    if "allocated" not in at or len(at) < 2:
+    at = ways_at(points, share)
+    best = best_single(at)
+    if "allocated" not in at or best is None:
         return "–"
-    best = max((w for w in at if w != "allocated"), key=lambda w: at[w]["tokens_per_step"])
     return f"{at['allocated']['tokens_per_step'] / at[best]['tokens_per_step']:.3f}x ({best})"
 
 

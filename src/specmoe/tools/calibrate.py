@@ -47,7 +47,7 @@ def run_calibrate(args) -> int:
         profile, m = calibrate(args.name, directory, size, engine=not args.no_engine_probe, offload_dir=args.dir)
         path = save_profile(profile, m)
         other = second_tier(profile, m)
-        extra = save_profile(other, m)
+        other_path = save_profile(other, m)
     except OSError as e:  # the main command prints it: one line, exit status 1
         raise os_failure(e, f"cannot measure the disk in {directory}",
                          "pass --dir DIR on a writable disk with room for --size") from None
@@ -76,7 +76,7 @@ def run_calibrate(args) -> int:
                   + (f"; an expert fetch costs {m['engine_fetch_s'] * 1e3:.2f} ms" if "engine_fetch_s" in m else ""))
         print("torch's fused CPU kernels here: " + "; ".join(f"{k}: {v}" for k, v in kernels.items()))
         print(f"saved profile {profile.name!r} to {path}; use --hardware {profile.name}")
-        print(f"saved profile {other.name!r} (experts on the {other.slow_tier} tier) to {extra}")
+        print(f"saved profile {other.name!r} (experts on the {other.slow_tier} tier) to {other_path}")
     return 0
 
 
