@@ -199,8 +199,8 @@ def test_measured_errors_order_the_precisions(reference):
     c = ckpt.config
     x = torch.randn(SAMPLE_ROWS, c.hidden_size, generator=torch.Generator().manual_seed(0))
     for layer in c.moe_layer_ids:
-        row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2"])
-        assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row[SUBSTITUTE]
+        row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2", "int1"])
+        assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row["int1"] < row[SUBSTITUTE]
         assert row["int8"] < 0.02 and 0.3 < row[SUBSTITUTE] < 3
 
 
@@ -288,7 +288,7 @@ def test_the_curves_ways_can_be_narrowed():
 
     every = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2])
     some = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2], ways=("allocated", "paper"))
-    assert len(every) == 6 and [v.fields["draft_way"] for v in some] == ["allocated", "paper"]
+    assert len(every) == 7 and [v.fields["draft_way"] for v in some] == ["allocated", "paper"]
     split = variants("draft-split", 16, 16, False, expert_bytes=1000, shares=[0.5], ways=("int4",))
     assert [v.fields["draft_way"] for v in split] == ["planner", "int4"]
 

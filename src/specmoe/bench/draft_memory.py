@@ -32,7 +32,7 @@ TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/tr
 SAMPLE_POINTS = (("draft-memory-sample", "", 1, "5%,10%", 96, 16), ("draft-memory-sample", "", 16, "5%,10%", 96, 4),
                  ("draft-memory-sample", "", 64, "10%", 96, 2),
                  ("draft-memory-sample-translate", TRANSLATE, 1, "5%,10%", 96, 16))
-SAMPLE_WAYS = "allocated,int4,int3,int2"
+SAMPLE_WAYS = "allocated,int4,int3,int2,int1"
 
 
 def draft_memory_points(doc: dict) -> tuple[int, dict, dict[tuple[float, str], dict]]:

@@ -5,7 +5,7 @@ with its device bytes and how far the draft's output then is from the model's (m
 per block, averaged over blocks: draft_quality.py):
 
 - `full`: the expert itself, pinned in the device pool (the paper's draft experts);
-- `int8` .. `int2`: a quantized copy;
+- `int8` .. `int1`: a quantized copy;
 - `substitute`: nothing; a pick of it runs the nearest held expert instead (0 bytes).
 
 The draft's expected cost is the sum, over blocks and experts, of how often the expert
