@@ -203,7 +203,7 @@ def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny
     (["--ablation", "gamma", "--ablation-gammas", "10,x"], "--ablation-gammas '10,x'"),
     (["--offload", "tape"], "unknown --offload 'tape'"),
     (["--plot", "out.svg"], "ending in .png"),
-    (["--draft-quant", "int0"], "unknown draft_quant 'int0'"),
+    (["--draft-quant", "int1"], "unknown draft_quant 'int1'"),
 ])
 def test_bad_flags_give_one_line_errors(tiny_ckpt, prompts_file, capsys, flags, message):
     model = str(tiny_ckpt("mixtral"))

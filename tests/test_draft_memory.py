@@ -30,9 +30,9 @@ from specmoe.policies.specmoe.draft_quality import SAMPLE_ROWS, measure_block
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # bytes per expert and error of each way, shaped like a real expert's (int8 a quarter of
-# float32, int4 an eighth, int2 a sixteenth, int1 half of that)
-NBYTES = {FULL: 1600, "int8": 400, "int4": 200, "int2": 100, "int1": 50}
-ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int2": 0.45, "int1": 0.8, SUBSTITUTE: 1.2}
+# float32, int4 an eighth, int2 a sixteenth)
+NBYTES = {FULL: 1600, "int8": 400, "int4": 200, "int2": 100}
+ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int2": 0.45, SUBSTITUTE: 1.2}
 
 
 def cost_of(held: dict, shares: dict) -> float:
@@ -69,7 +69,7 @@ def test_pick_cost_grows_with_the_error_and_saturates():
 @pytest.mark.parametrize("budget", [0, 150, 300, 450, 700, 1000, 1600])
 def test_allocation_stays_in_budget_and_is_near_the_brute_force_optimum(budget):
     shares = pick_shares({0: [9, 3, 1], 1: [5, 5, 0]})
-    ways = ("int8", "int4", "int2", "int1")
+    ways = ("int8", "int4", "int2")
     a = allocate(shares, Options(NBYTES, ERRORS, ways), budget)
     assert bytes_of(a.held) == a.nbytes <= budget
     assert a.cost == pytest.approx(cost_of(a.held, shares))
@@ -90,17 +90,6 @@ def test_coverage_comes_before_precision():
     substitution costs more than int2's error, so every expert gets an int2 copy."""
     a = allocate({0: [0.25] * 4}, Options(NBYTES, ERRORS, ("int8", "int2")), 400)
     assert sorted(a.held.values()) == ["int2"] * 4
-
-
-def test_a_scarce_draft_holds_the_hot_experts_in_int2_and_the_rare_ones_in_int1():
-    """The bytes for int2 copies of four experts of six: substituting two rare ones costs
-    more than holding all four rare ones in int1, paid for by leaving them int2."""
-    shares = {0: [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]}
-    opts = Options(NBYTES, ERRORS, ("int2", "int1"))
-    a = allocate(shares, opts, 400)
-    assert a.held == {(0, 0): "int2", (0, 1): "int2", **{(0, e): "int1" for e in range(2, 6)}}
-    assert a.cost < allocate(shares, Options(NBYTES, ERRORS, ("int2",)), 400).cost
-    assert a.cost < allocate(shares, Options(NBYTES, ERRORS, ("int1",)), 400).cost
 
 
 def test_at_least_one_expert_per_block_is_held_when_the_budget_allows():
@@ -210,8 +199,8 @@ def test_measured_errors_order_the_precisions(reference):
     c = ckpt.config
     x = torch.randn(SAMPLE_ROWS, c.hidden_size, generator=torch.Generator().manual_seed(0))
     for layer in c.moe_layer_ids:
-        row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2", "int1"])
-        assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row["int1"] < row[SUBSTITUTE]
+        row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2"])
+        assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row[SUBSTITUTE]
         assert row["int8"] < 0.02 and 0.3 < row[SUBSTITUTE] < 3
 
 
@@ -299,7 +288,7 @@ def test_the_curves_ways_can_be_narrowed():
 
     every = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2])
     some = variants("draft-memory", 16, 16, False, expert_bytes=1000, shares=[0.2], ways=("allocated", "paper"))
-    assert len(every) == 7 and [v.fields["draft_way"] for v in some] == ["allocated", "paper"]
+    assert len(every) == 6 and [v.fields["draft_way"] for v in some] == ["allocated", "paper"]
     split = variants("draft-split", 16, 16, False, expert_bytes=1000, shares=[0.5], ways=("int4",))
     assert [v.fields["draft_way"] for v in split] == ["planner", "int4"]
 

@@ -259,12 +259,8 @@ def test_which_runs_plan_the_split(given, budgeted, planned):
     assert EngineConfig(**{"policy": "specmoe", **given}).plans_draft_split(budgeted) is planned
 
 
-def test_where_no_draft_fits_beside_verification_the_default_keeps_the_draft_quant_rule(reference, tmp_path,
-                                                                                       monkeypatch):
-    """Here int1 copies fit beside verification in any budget the rule fits in, so the
-    splits tried are cut to one too small for a copy a block: none holds a draft."""
+def test_where_no_draft_fits_beside_verification_the_default_keeps_the_draft_quant_rule(reference, tmp_path):
     _, prompts, sha, budgets = reference
-    monkeypatch.setattr(draft_split, "SHARES", (0.001,))
     with pytest.raises(SpecMoEError, match="raise --device-memory to at least") as err:
         split_llm(reference, tmp_path, draft_memory=None, device_memory=budgets[0.05])
     smallest = parse_size(str(err.value).rsplit("at least ", 1)[1], "device_memory")

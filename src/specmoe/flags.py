@@ -46,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quant", default="auto",
                    help="auto (each expert's precision chosen under --draft-memory, which a --device-memory "
                    "budget plans by default; without one int8, else int4 copies of every expert where they fit) | "
-                   "none (the paper's draft) | int8 | int4 | int3 | int2 | int1 (with "
+                   "none (the paper's draft) | int8 | int4 | int3 | int2 (with "
                    "--draft-memory: that precision only, for the experts it holds)")
     p.add_argument("--draft-memory", help="device bytes the draft may hold, e.g. 400MiB, or a share of the device "
                    "budget, e.g. 20%%: quantized copies and full-precision draft experts chosen expert by expert "

@@ -26,7 +26,7 @@ POLICY_NAMES = ("resident", "ondemand", "overlap", "caching", "host", "specmoe",
 DRAFT_SETS = ("temporal-hot", "global-hot", "random")
 SUBSTITUTIONS = ("affinity", "random")
 DRAFT_COMPUTE = ("device", "host")
-DRAFT_QUANT = ("auto", "none", "int8", "int4", "int3", "int2", "int1")
+DRAFT_QUANT = ("auto", "none", "int8", "int4", "int3", "int2")
 DRAFT_DENSE = ("auto", "bfloat16", "none")
 # The longest draft the gamma tuner and the planner's search try, and the provisional KV
 # positions every sequence reserves for a step's rollback. Long drafts pay when verification

@@ -17,7 +17,7 @@ ABLATIONS = ("draft-set", "substitution", "draft-experts", "gamma", "draft-compu
 # the draft-memory curve: draft bytes as shares of all expert bytes, and what holds them
 DRAFT_MEMORY_SHARES = (0.02, 0.05, 0.1, 0.2, 0.4)
 DRAFT_MEMORY_WAYS = (("allocated", "auto"), ("int8", "int8"), ("int4", "int4"), ("int3", "int3"), ("int2", "int2"),
-                     ("int1", "int1"), ("paper", "none"))
+                     ("paper", "none"))
 # the draft-split curve: one budget, the draft's share of what it leaves for experts, and
 # what holds it (the allocator's mix, or one fused copy format); plus --draft-memory auto
 DRAFT_SPLIT_SHARES = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)

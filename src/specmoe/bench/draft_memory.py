@@ -32,7 +32,7 @@ TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/tr
 SAMPLE_POINTS = (("draft-memory-sample", "", 1, "5%,10%", 96, 16), ("draft-memory-sample", "", 16, "5%,10%", 96, 4),
                  ("draft-memory-sample", "", 64, "10%", 96, 2),
                  ("draft-memory-sample-translate", TRANSLATE, 1, "5%,10%", 96, 16))
-SAMPLE_WAYS = "allocated,int4,int3,int2,int1"
+SAMPLE_WAYS = "allocated,int4,int3,int2"
 
 
 def draft_memory_points(doc: dict) -> tuple[int, dict, dict[tuple[float, str], dict]]:
@@ -216,8 +216,8 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "the expert bytes + non-expert + KV) so that verification keeps the same pool at every point; held-out "
             "prompts, real disk tier, one torch thread, each run beside ondemand in one rotation (B = 1: four "
             "prompts one after another; B = 64: 48 tokens and no 5 % point, for time). At each point: each "
-            "expert's way chosen (allocated: full precision, int8 .. int1 copies or substitution), one format for "
-            "the experts it can hold, most picked first, the rest substituted (int8 .. int1), and the paper's "
+            "expert's way chosen (allocated: full precision, int8 .. int2 copies or substitution), one format for "
+            "the experts it can hold, most picked first, the rest substituted (int8 .. int2), and the paper's "
             "draft of full-precision experts (paper). The goals: the allocator's tokens per step at least the best "
             "single format's and twice the paper's (where twice the paper's is above gamma + 1, every draft "
             "accepted, the table says so). Below each model's table, each way averaged over the batch sizes: "
@@ -225,14 +225,14 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "the next, and with the sample (below). The real-size model at "
             "B = 1 (four prompts of 48 tokens one after another), 16 and 64 (32 tokens), at 20 and 40 %, one run per "
             "draft memory, int8, int4 and the paper's draft beside the allocator "
-            "(int3, int2 and int1 copies take the portable path there, about 1 tok/s; they held fewer tokens per "
-            "step than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
+            "(int3 and int2 copies take the portable path there, about 1 tok/s; they held fewer tokens per step "
+            "than int4 at 20 and 40 % on every smaller curve). The curves: docs/STEM.png (python "
             "benchmarks/plot_draft_memory.py docs/STEM.png bench-results/STEM-{1,16,64}.json, STEM draft-memory or "
             "draft-memory-translate; the real-size curve from bench-results/draft-memory-real-size-*.json, each "
             "point's throughput against the ondemand of its own run). Where the draft is scarce the ways come within a "
             "few % of each other, closer than one run's sampling error, so those points ran again with four times "
             "the prompts (B = 1: 16 one after another, B = 16: 64, B = 64: 128 of 96 tokens), the allocator beside "
-            "the formats that came near it (int4 .. int1), on the host tier: tokens per step do not depend on "
+            "the formats that came near it (int4, int3, int2), on the host tier: tokens per step do not depend on "
             "the tier.",
             tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                       f"--ablation-draft-memory {shares} --ablation-batch-size {b} {run} --json {{out}}/{stem}-{b}.json",

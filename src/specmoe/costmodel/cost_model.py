@@ -357,7 +357,7 @@ def host(sc: Scenario, batch: int) -> StepEstimate:
                      note=f"{float((p_touch * ~use_dev).sum()):.1f}/layer on host, {fetched:.1f} fetched")
 
 
-QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "int1": 1}
+QUANT_BITS = {"int8": 8, "int4": 4, "int3": 3}
 
 
 def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance: float,
@@ -366,7 +366,7 @@ def specmoe(sc: Scenario, batch: int, gamma: int, draft_experts: int, acceptance
 
     - draft: gamma passes over B positions with no transfers. The paper's draft
       (``draft_quant="none"``) uses only the N resident draft experts per block, reading
-      at most min(N, B k) experts per layer; a quantized draft (int8 .. int1 copies of
+      at most min(N, B k) experts per layer; a quantized draft (int8/int4/int3 copies of
       every expert on the device, the engine's default) routes exactly and dequantizes
       each expert it runs;
     - verify: one pass over B (gamma + 1) positions (gamma + 1 consecutive per sequence,

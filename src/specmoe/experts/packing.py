@@ -4,7 +4,7 @@ Planar layouts, so that unpacking writes long contiguous runs (an interleaving s
 of two nibbles is ~10x slower on the CPU than the shifts themselves):
   int4: n codes -> n/2 bytes, byte i = code i | code (i + n/2) << 4   (two per byte)
   int3: n codes -> 3 planes of n/8 bytes; word i = plane0[i] | plane1[i] << 8 | plane2[i] << 16
-        holds codes i, i + n/8, ..., i + 7n/8, three bits each (int2, int1: two planes, one)
+        holds codes i, i + n/8, ..., i + 7n/8, three bits each
 n is padded to a multiple of 8 (codes 0) before packing.
 """
 

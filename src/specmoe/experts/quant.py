@@ -16,9 +16,6 @@ Format (per matrix W [out, in], `in` the input dimension):
   the scale max|W_group| / qmax rounds most weights to 0, so each group's scale is
   the one of a few clipped candidates (amax x 1.0 .. 0.4) with the least squared error
   (`CLIP_RATIOS`; the report in `specmoe info --draft-quant int2` measures the gain).
-  int1: groups as int4's, each weight's sign times its group's mean |W| (the least-squares
-  s): half int2's bytes at 1.7x its output error (demo: 0.77), for the experts a scarce
-  draft cannot afford in int2, where substituting errs by 1.1-1.4.
 An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in [R, D]
 (gated: gate rows, then up rows) and w_out [D, I]; the biases of families that have them
 stay in float32 (a few hundred values).
@@ -60,8 +57,8 @@ from .kernels import (
 )
 from .packing import pack, packed_size, unpack
 
-QUANT_MODES = ("none", "int8", "int4", "int3", "int2", "int1")
-BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2, "int1": 1}
+QUANT_MODES = ("none", "int8", "int4", "int3", "int2")
+BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 GROUP_SIZES = (128, 64)  # preferred group sizes of the packed modes along the input dimension, first that divides
 GROUP_SIZES_2BIT = (32, 64, 128)  # 2-bit codes need small groups: one outlier sets the scale of fewer weights
 CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)  # 2-bit scale candidates, as fractions of max|W_group| / qmax
@@ -85,7 +82,7 @@ def check_mode(mode: str) -> None:
 def group_size(in_features: int, bits: int) -> int:
     if bits == 8:
         return in_features
-    sizes = GROUP_SIZES_2BIT if bits == 2 else GROUP_SIZES
+    sizes = GROUP_SIZES_2BIT if bits <= 2 else GROUP_SIZES
     return next((g for g in sizes if in_features % g == 0), in_features)
 
 
@@ -96,7 +93,7 @@ def group_size(in_features: int, bits: int) -> int:
 class QuantizedMatrix:
     """W [..., out, in] quantized per group along `in`; leading dims (experts) allowed."""
 
-    data: torch.Tensor  # int8 [..., out, in] (int8), or uint8 [..., packed_size(out * in)] (int4 .. int1)
+    data: torch.Tensor  # int8 [..., out, in] (int8), or uint8 [..., packed_size(out * in)] (int4, int3)
     scales: torch.Tensor  # float16 [..., out, in / group]
     bits: int
     in_features: int
@@ -128,7 +125,7 @@ class QuantizedMatrix:
         else:
             w = unpack(self.data, self.bits, out * self.in_features, dtype)
             w = w.reshape(*w.shape[:-1], out, self.in_features)  # a copy only if padding was cut off
-            w.sub_(1 << (self.bits - 1)) if self.bits > 1 else w.mul_(2).sub_(1)  # int1's codes: 1 -> +1, 0 -> -1
+            w.sub_(1 << (self.bits - 1))
         w.view(*w.shape[:-1], groups, self.in_features // groups).mul_(self.scales.to(dtype)[..., None])
         return w
 
@@ -240,8 +237,6 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
     """Symmetric per-group quantization of w [..., out, in] (any float dtype)."""
     in_features = w.shape[-1]
     g = group_size(in_features, bits)
-    if bits == 1:
-        return _quantize_signs(w, g)
     qmax = (1 << (bits - 1)) - 1
     w32 = w.float().reshape(*w.shape[:-1], in_features // g, g)
     amax = w32.abs().amax(-1)
@@ -269,15 +264,6 @@ def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
         codes = (q + (1 << (bits - 1))).to(torch.uint8)
         data = pack(codes.reshape(*w.shape[:-2], -1), bits)
     return QuantizedMatrix(data.contiguous(), scales.contiguous(), bits, in_features)
-
-
-def _quantize_signs(w: torch.Tensor, g: int) -> QuantizedMatrix:
-    """int1: each weight's sign, times its group's mean |W| (as stored, float16)."""
-    w32 = w.float().reshape(*w.shape[:-1], w.shape[-1] // g, g)
-    mean = w32.abs().mean(-1)
-    scales = _stored_scales(mean, mean)
-    codes = (w32 >= 0).to(torch.uint8).reshape(*w.shape[:-2], -1)
-    return QuantizedMatrix(pack(codes, 1).contiguous(), scales.contiguous(), 1, w.shape[-1])
 
 
 def _stored_scales(scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:

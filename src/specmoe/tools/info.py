@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB, 24G (GiB) or 30%%")
     i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
     i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
-    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 | int2 | int1 draft "
+    i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 | int2 draft "
                    "copies; with --draft-memory, the ways the draft may hold experts (auto | none | a mode)")
     i.add_argument("--draft-memory", help="report what SpecMoE's draft would hold in this many bytes (e.g. 400MiB) "
                    "or share of --device-memory (e.g. 20%%), with --draft-quant's ways (default auto: each expert's)")

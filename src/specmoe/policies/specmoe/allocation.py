@@ -5,7 +5,7 @@ with its device bytes and how far the draft's output then is from the model's (m
 per block, averaged over blocks: draft_quality.py):
 
 - `full`: the expert itself, pinned in the device pool (the paper's draft experts);
-- `int8` .. `int1`: a quantized copy;
+- `int8` .. `int2`: a quantized copy;
 - `substitute`: nothing; a pick of it runs the nearest held expert instead (0 bytes).
 
 The draft's expected cost is the sum, over blocks and experts, of how often the expert
@@ -43,6 +43,12 @@ PRIOR_PICKS = 1.0
 # expert bytes on int3 copies and substituted half the picks; cubed without saturation,
 # it starved blocks whose two sampled substitutes happened to be closer.
 ERROR_SCALE, ERROR_POWER = 1.1, 3
+# No 1-bit way: copies of each weight's sign times its group's mean |W| (half int2's bytes,
+# output error 0.77 on the demo model) were tried at 5 % of its expert bytes, held for the
+# rarely picked experts instead of substituting them. Tokens per step against int2 alone:
+# 1.23x (B = 16) and 1.01x (B = 1) on training prompts, but 1.02x and 0.91x on held-out
+# ones (12 of 16 requests lower); held alone they gave 0.7x int2's (translation: 0.45x),
+# so a pick of one costs more than pick_cost of its error says.
 
 
 def pick_cost(error: float) -> float:

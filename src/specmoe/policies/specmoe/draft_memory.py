@@ -165,5 +165,5 @@ def start_plan(config, options: Options, limit: int, scratch: int, slot_bytes: i
         raise SpecMoEError(
             f"--draft-memory {format_bytes(limit)} holds less than {what} per block ({len(layers)} blocks); raise it "
             f"to at least {format_bytes(need)}" +
-            ("" if draft_quant in ("auto", "int1") else " or allow lower-bit copies (--draft-quant auto)"))
+            ("" if draft_quant in ("auto", "int2") else " or allow lower-bit copies (--draft-quant auto)"))
     return plan

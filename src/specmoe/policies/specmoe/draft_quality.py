@@ -25,7 +25,7 @@ from ...experts.quant import BITS, quantize_expert, quantized_expert_forward
 from ...model.moe import run_expert
 from .allocation import FULL, SUBSTITUTE
 
-DEFAULT_ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int3": 0.25, "int2": 0.45, "int1": 0.8, SUBSTITUTE: 1.3}
+DEFAULT_ERRORS = {FULL: 0.0, "int8": 0.01, "int4": 0.12, "int3": 0.25, "int2": 0.45, SUBSTITUTE: 1.3}
 SAMPLED_EXPERTS = 2  # per block: the most picked (what the error weighs most)
 SAMPLE_ROWS = 64  # a prefill's block inputs measured on, per block
 
