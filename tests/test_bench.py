@@ -91,6 +91,20 @@ def test_prompt_batches_sets_how_many_prompts_each_run_generates_for(quick_run, 
     assert one["config"]["prompts_per_run"] == {"4": 4} and "first 1 x B" in report.markdown(one, "x", heading=False)
 
 
+def test_prompts_skip_runs_a_later_sample_of_the_file(tiny_ckpt, prompts_file, tmp_path):
+    out = tmp_path / "later.json"
+    assert main(["bench", "--model", str(tiny_ckpt("mixtral")), "--quick", "--repeats", "1", "--batch-sizes", "4",
+                 "--policies", "ondemand", "--anchors", "none", "--max-tokens", "2", "--prompt-batches", "1",
+                 "--prompts-skip", "8", "--prompts-file", str(prompts_file), "--offload-dir", str(tmp_path / "offload"),
+                 "--threads", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lines = [json.loads(line)["prompt_token_ids"] for line in prompts_file.read_text().splitlines()]
+    # the engine's own count of prompt tokens: the file's 9th to 12th prompts'
+    assert [r["prompt_tokens"] for r in doc["records"]] == [sum(len(p) for p in lines[8:12])]
+    assert sum(len(p) for p in lines[8:12]) != sum(len(p) for p in lines[:4])  # the first four would tell
+    assert "after the file's first 8" in report.markdown(doc, "x", heading=False)
+
+
 def test_quick_bench_runs_the_transformers_anchor_on_the_same_prompts(quick_run):
     doc = json.loads((quick_run[1] / "out.json").read_text())
     hf = [a for a in doc["anchors"] if a["anchor"] == "transformers"]
@@ -199,6 +213,8 @@ def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny
     (["--ablation", "nope"], "unknown --ablation 'nope'"),
     (["--repeats", "0"], "--repeats must be a positive integer"),
     (["--prompt-batches", "0"], "--prompt-batches must be a positive integer"),
+    (["--prompts-skip", "-1"], "--prompts-skip must be 0 or a positive integer"),
+    (["--prompts-skip", "12"], "--prompts-skip 12 leaves no prompts"),
     (["--ablation-gammas", "10,16"], "add --ablation gamma"),
     (["--ablation", "gamma", "--ablation-gammas", "10,x"], "--ablation-gammas '10,x'"),
     (["--offload", "tape"], "unknown --offload 'tape'"),

@@ -59,6 +59,8 @@ def register(subparsers) -> None:
                    "(non-expert + KV + that share of expert bytes, per batch size; default 30%%)")
     p.add_argument("--prompt-batches", type=int, default=2,
                    help="each run generates for N x B prompts, B at a time (default 2; 1 halves a long run)")
+    p.add_argument("--prompts-skip", type=int, default=0,
+                   help="start after the file's first N prompts: another sample of the same prompts (default 0)")
     p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
     p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
     p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
@@ -118,6 +120,7 @@ class Settings:
     trace_dir: str | None
     threads: int | None = None
     prompt_batches: int = 2  # each run generates for prompt_batches x B prompts
+    prompts_skip: int = 0  # ... from the file's (prompts_skip + 1)th on
     ablation_gammas: list[int] | None = None  # the gamma ablation's drafts; None: its default list
     ablation_shares: list[float] | None = None  # the draft-memory ablation's points; None: its default list
     ablation_ways: tuple[str, ...] | None = None  # the curves' ways to run; None: every one
@@ -128,6 +131,12 @@ class Settings:
 def _positive(value, flag) -> int:
     if value is None or isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SpecMoEError(f"{flag} must be a positive integer, got {value!r}")
+    return value
+
+
+def _non_negative(value, flag) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecMoEError(f"{flag} must be 0 or a positive integer, got {value!r}")
     return value
 
 
@@ -244,6 +253,7 @@ def settings_from_args(args) -> Settings:
         quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
         prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),
+        prompts_skip=_non_negative(args.prompts_skip, "--prompts-skip"),
         ablation_gammas=parse_batch_sizes(args.ablation_gammas, "--ablation-gammas") if args.ablation_gammas else None,
         ablation_shares=_shares(args.ablation_draft_memory) if args.ablation_draft_memory else None,
         ablation_ways=_ways(args.ablation_draft_ways) if args.ablation_draft_ways else None,
@@ -269,6 +279,10 @@ def _run_bench(args, s: Settings) -> int:
 
     cfg = open_checkpoint(Path(s.model_dir)).config
     prompts = encode_prompts(read_prompts_file(s.prompts_file), Path(s.model_dir), cfg.vocab_size)
+    if s.prompts_skip >= len(prompts):
+        raise SpecMoEError(f"--prompts-skip {s.prompts_skip} leaves no prompts: {s.prompts_file} has {len(prompts)}; "
+                           "give a smaller number")
+    prompts = prompts[s.prompts_skip:]
     info = model_info(s.model_dir, dtype=s.dtype, device=s.device)
     suite = Suite(s, cfg, info, prompts, machine_info())
     start = time.perf_counter()

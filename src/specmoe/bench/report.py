@@ -64,6 +64,11 @@ class Progress:
 # --- cells ---------------------------------------------------------------------------------------------
 
 
+def _after_skipped(config: dict) -> str:
+    skip = config.get("prompts_skip", 0)
+    return f" after the file's first {skip}" if skip else ""
+
+
 def _num(v, fmt="{:.1f}", none="–"):
     return none if v is None else fmt.format(v)
 
@@ -226,7 +231,8 @@ def config_lines(doc: dict) -> list[str]:
         f"machine: {describe(doc['machine'])}",
         f"model: {m['path']} ({m['family']}, {m['moe_layers']} MoE layers x {m['experts_per_block']} experts, top-{m['top_k']}, "
         f"{m['dtype']}; non-expert {m['non_expert_bytes'] / 2**20:.1f} MiB, experts {m['expert_bytes_total'] / 2**20:.1f} MiB)",
-        f"prompts: {c['prompts_file']} (first {c.get('prompt_batches', 2)} x B of {c['num_prompts_in_file']}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
+        f"prompts: {c['prompts_file']} (first {c.get('prompt_batches', 2)} x B of {c['num_prompts_in_file']}"
+        f"{_after_skipped(c)}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
         f"tier: {tier}; gamma {c['gamma']}; {c['repeats']} repeat(s) after 1 warm-up, {order}",
         f"budget: {c['budget_rule']}" + (f" ({budgets})" if budgets else ""),
         *filter(None, [direct_io_line(doc)]),
