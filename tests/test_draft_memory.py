@@ -383,6 +383,9 @@ def test_the_scarce_points_with_more_prompts_are_set_beside_the_curves_compariso
     assert row[6:] == ["0.966x", "0.800-1.053", "no; 1.0 in the interval", "–"]
     translated = draft_memory_samples([("draft-memory-sample-translate-1.json", sample)], {})
     assert translated.splitlines()[2].startswith("| translation | 1 | 5% |") and translated.splitlines()[2].endswith("| – |")
+    close["config"]["prompts_skip"] = 128  # a later set of the file's prompts: which ones, and no curve beside it
+    later = draft_memory_samples([("draft-memory-sample-skip128-16.json", close)], {"draft-memory-16.json": curve})
+    assert later.splitlines()[2].startswith("| demo (prompts 129-144) | 16 | 5% | 16 |") and later.endswith("| – |\n")
 
 
 def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(reference, tmp_path, monkeypatch):
