@@ -66,11 +66,15 @@ def ways_at(points: dict[tuple[float, str], dict], share: float) -> dict[str, di
     return {way: r for (s, way), r in points.items() if s == share}
 
 
+def singles_at(at: dict[str, dict]) -> dict[str, dict]:
+    """The single formats among `at`'s ways: neither the allocator nor the paper's draft."""
+    return {w: r for w, r in at.items() if w not in ("allocated", "paper")}
+
+
 def best_single(at: dict[str, dict]) -> str | None:
-    """The single format with the most tokens per step among `at`'s ways (neither the
-    allocator nor the paper's draft); None if there is none."""
-    singles = [w for w in at if w not in ("allocated", "paper")]
-    return max(singles, key=lambda w: at[w]["tokens_per_step"], default=None)
+    """The single format with the most tokens per step among `at`'s ways; None if there is none."""
+    singles = singles_at(at)
+    return max(singles, key=lambda w: singles[w]["tokens_per_step"], default=None)
 
 
 def draft_memory_goals(docs: list[dict]) -> str:
@@ -167,7 +171,7 @@ def draft_memory_samples(samples: list[tuple[str, dict]], curves: dict[str, dict
             best = best_single(at)
             if "allocated" not in at or best is None:
                 continue
-            mine, singles = at["allocated"], {w: r for w, r in at.items() if w not in ("allocated", "paper")}
+            mine, singles = at["allocated"], singles_at(at)
             ratio = mine["tokens_per_step"] / singles[best]["tokens_per_step"]
             interval = ratio_interval(mine.get("sequence_decode"), singles[best].get("sequence_decode"))
             met = "yes" if ratio >= 1.0 else "no" if interval is None or interval[1] < 1.0 else "no; 1.0 in the interval"
