@@ -4,6 +4,7 @@ user gets for a draft memory that cannot work."""
 
 import itertools
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -101,6 +102,19 @@ def test_at_least_one_expert_per_block_is_held_when_the_budget_allows():
     assert floor.covered(0) and floor.covered(1) and floor.nbytes <= 200
 
 
+def test_measured_costs_replace_the_ones_from_the_errors():
+    """Costs measured otherwise (benchmarks/pick_costs.py) decide the allocation: where a
+    substitution costs little more than an int2 copy, the budget buys int4 for the hot expert
+    rather than covering the cold one."""
+    shares = {0: [0.9, 0.1]}
+    by_errors = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2")), 200)
+    assert by_errors.held == {(0, 0): "int2", (0, 1): "int2"}
+    measured = {FULL: 0.0, "int4": 0.001, "int2": 0.05, SUBSTITUTE: 0.06}
+    by_measure = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2"), measured), 200)
+    assert by_measure.held == {(0, 0): "int4", (0, 1): SUBSTITUTE}
+    assert by_measure.cost == pytest.approx(0.9 * 0.001 + 0.1 * 0.06)
+
+
 def test_full_precision_experts_come_out_of_the_same_budget():
     shares = {0: [0.7, 0.1, 0.1, 0.1]}
     opts = Options(NBYTES, ERRORS, (FULL, "int8"))
@@ -176,6 +190,29 @@ def test_the_draft_holds_no_more_than_its_memory_and_gives_residents_tokens(refe
         assert set(stats["draft_held"]) == {FULL, SUBSTITUTE}
     elif way != "auto":
         assert set(stats["draft_held"]) <= {way, SUBSTITUTE} and stats["draft_held"][way] > 0
+    llm.close()
+
+
+def test_the_drafts_picks_are_counted_by_how_they_were_held(reference, tmp_path):
+    """draft_picks_by_way against the draft passes' routing, recorded beside the drafter:
+    each pick's expert looked up in the allocation of that moment."""
+    _, prompts, _, _, _ = reference
+    llm, _ = memory_llm(reference, tmp_path, 0.08, draft_quant="auto")
+    policy = llm.engine.policy
+    seen = Counter()
+    run_moe = policy.drafter.run_moe
+
+    def recording(layer, x, routing):
+        held = policy.memory.allocation.held
+        seen.update(held[(layer, int(e))] for e in routing.ids.flatten())
+        return run_moe(layer, x, routing)
+
+    policy.drafter.run_moe = recording
+    llm.generate(prompts, GREEDY)
+    shares = llm.last_stats["draft_picks_by_way"]
+    total = sum(seen.values())
+    assert SUBSTITUTE in seen and len(seen) >= 2  # a scarce draft: picks held and substituted
+    assert shares == pytest.approx({way: n / total for way, n in seen.items()})
     llm.close()
 
 

@@ -31,7 +31,10 @@ class Drafter:
         p = self.policy
         picked = group_by_expert(routing, self.num_experts)
         # the draft's own picks predict what verification will need
-        p.predicted.setdefault(layer, Counter()).update(picked.count_of())
+        counts = picked.count_of()
+        p.predicted.setdefault(layer, Counter()).update(counts)
+        if p.memory is not None:
+            p.memory.count_drafted(layer, counts)
         if p.runtime.options.draft_compute == "host":
             return p.blocks.run_block(layer, x, picked, on_host=set(picked.experts) - set(p.draft[layer]))
         resident = set(p.draft[layer])

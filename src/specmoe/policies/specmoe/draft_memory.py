@@ -20,6 +20,7 @@ model's training prompts at 5 and 10 % (from every pick so far: 3.04 against 3.1
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -74,6 +75,13 @@ class DraftMemory:
         self.copies: ExpertCopies | None = None
         self.reload_bytes = 0
         self.rows: dict[int, dict[str, float]] = {}  # measured errors, block by block
+        self.drafted = Counter()  # the draft's picks by how it held the picked expert
+
+    def count_drafted(self, layer: int, picks: dict[int, int]) -> None:
+        """A draft pass's picks in `layer` (expert -> count), before substitution."""
+        held = self.allocation.held
+        for e, n in picks.items():
+            self.drafted[held[(layer, e)]] += n
 
     # --- what the engine routes ---------------------------------------------------------
 
@@ -104,9 +112,15 @@ class DraftMemory:
     def stats(self) -> dict:
         held = self.allocation.count() if self.allocation else {}
         return {"draft_memory": self.limit, "draft_held": held, "draft_copies_bytes": self.copies.nbytes if self.copies else 0,
-                "draft_reload_bytes": self.reload_bytes,
+                "draft_reload_bytes": self.reload_bytes, "draft_picks_by_way": self.picks_by_way(),
                 "draft_expected_cost": self.allocation.cost if self.allocation else None,
                 "draft_errors_measured": self.measured}
+
+
+    def picks_by_way(self) -> dict[str, float]:
+        """Each way's share of the draft's picks: what the acceptance is the cost of."""
+        total = sum(self.drafted.values())
+        return {w: n / total for w, n in sorted(self.drafted.items())} if total else {}
 
 
 class Start:

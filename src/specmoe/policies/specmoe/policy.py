@@ -132,6 +132,8 @@ class SpecMoEPolicy(OffloadPolicy):
         self.refresh_fetches = 0
         self.predicted: dict[int, Counter] = {}  # block -> the draft's own picks in this cycle
         self.prefetch_hits = self.prefetch_predicted = self.prefetch_needed = 0
+        if self.memory is not None:
+            self.memory.drafted.clear()
 
     def stats(self) -> dict:
         s = super().stats()
