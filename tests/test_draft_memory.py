@@ -27,7 +27,14 @@ from specmoe.policies.specmoe.allocation import (
     pick_cost,
     pick_shares,
 )
-from specmoe.policies.specmoe.draft_quality import SAMPLE_ROWS, measure_block
+from specmoe.policies.specmoe.draft_quality import (
+    RESIDUAL_SHARE,
+    SAMPLE_ROWS,
+    block_weights,
+    cached_errors,
+    errors_path,
+    measure_block,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # bytes per expert and error of each way, shaped like a real expert's (int8 a quarter of
@@ -113,6 +120,25 @@ def test_measured_costs_replace_the_ones_from_the_errors():
     by_measure = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2"), measured), 200)
     assert by_measure.held == {(0, 0): "int4", (0, 1): SUBSTITUTE}
     assert by_measure.cost == pytest.approx(0.9 * 0.001 + 0.1 * 0.06)
+
+
+def test_a_block_that_writes_more_of_the_stream_weighs_more():
+    """Weights are the squared shares of the residual stream over their mean; a block not
+    measured yet weighs 1."""
+    w = block_weights({0: {RESIDUAL_SHARE: 0.9}, 1: {RESIDUAL_SHARE: 0.3}, 2: {RESIDUAL_SHARE: 0.3}})
+    assert w[0] == pytest.approx(0.81 / 0.33) and w[1] == w[2] == pytest.approx(0.09 / 0.33)
+    assert block_weights({0: {"int2": 0.4}, 1: {"int2": 0.5}}) == {0: 1.0, 1: 1.0}
+
+
+def test_the_heavier_block_gets_the_better_copy():
+    """Two blocks picked alike: the one whose picks count more gets int4, the other int2;
+    unweighted, the tie goes to the first block either way."""
+    shares = {0: [1.0], 1: [1.0]}
+    heavy_second = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2"), block_weights={0: 0.5, 1: 1.5}), 300)
+    assert heavy_second.held == {(0, 0): "int2", (1, 0): "int4"}
+    heavy_first = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2"), block_weights={0: 1.5, 1: 0.5}), 300)
+    assert heavy_first.held == {(0, 0): "int4", (1, 0): "int2"}
+    assert heavy_first.cost == pytest.approx(1.5 * pick_cost(ERRORS["int4"]) + 0.5 * pick_cost(ERRORS["int2"]))
 
 
 def test_full_precision_experts_come_out_of_the_same_budget():
@@ -239,6 +265,57 @@ def test_measured_errors_order_the_precisions(reference):
         row = measure_block(ckpt, layer, x, [1] * c.num_experts, None, ["int8", "int4", "int3", "int2"])
         assert 0 < row["int8"] < row["int4"] < row["int3"] < row["int2"] < row[SUBSTITUTE]
         assert row["int8"] < 0.02 and 0.3 < row[SUBSTITUTE] < 3
+
+
+def test_the_first_prefill_measures_each_blocks_share_of_the_residual_stream(reference, tmp_path):
+    """The shares cached after the first prefill, against the same prefill's MoE outputs and
+    residual stream seen from the model's side (its layers' outputs, hooked)."""
+    from specmoe.model import transformer
+
+    path, prompts, _, _, _ = reference
+    outputs, streams = {}, {}
+    mlp, forward = transformer.MoETransformer.mlp, transformer.MoETransformer.forward
+
+    def hooked_mlp(self, i, lw, x, experts):
+        out = mlp(self, i, lw, x, experts)
+        outputs.setdefault(i, out.float().norm(dim=-1).mean().item())  # the first pass: the prefill
+        return out
+
+    def hooked_forward(self, tokens, batch, cache, experts):
+        after = experts.after_layer
+
+        def seen(i, h):
+            streams.setdefault(i, h.float().norm(dim=-1).mean().item())
+            after(i, h)
+
+        experts.after_layer = seen
+        try:
+            return forward(self, tokens, batch, cache, experts)
+        finally:
+            del experts.after_layer
+
+    transformer.MoETransformer.mlp, transformer.MoETransformer.forward = hooked_mlp, hooked_forward
+    try:
+        llm, _ = memory_llm(reference, tmp_path, 0.08, draft_quant="auto")
+        llm.generate(prompts, GREEDY)
+    finally:
+        transformer.MoETransformer.mlp, transformer.MoETransformer.forward = mlp, forward
+    table = cached_errors(Checkpoint(path), tmp_path, ("int8", "int4", "int3", "int2"))
+    assert table is not None and set(table) <= set(outputs)
+    for layer, row in table.items():
+        assert row[RESIDUAL_SHARE] == pytest.approx(outputs[layer] / streams[layer], rel=1e-5)
+    llm.close()
+
+
+def test_a_cached_table_without_the_residual_shares_is_measured_again(reference, tmp_path):
+    ckpt = Checkpoint(reference[0])
+    rows = {layer: {FULL: 0.0, "int2": 0.4, SUBSTITUTE: 1.2, RESIDUAL_SHARE: 0.2} for layer in ckpt.config.draft_layer_ids}
+    errors_path(ckpt, tmp_path).write_text(json.dumps({str(k): v for k, v in rows.items()}))
+    assert cached_errors(ckpt, tmp_path, ("int2",)) is not None
+    for row in rows.values():
+        del row[RESIDUAL_SHARE]  # written before the shares were measured
+    errors_path(ckpt, tmp_path).write_text(json.dumps({str(k): v for k, v in rows.items()}))
+    assert cached_errors(ckpt, tmp_path, ("int2",)) is None
 
 
 # --- what a user is told -----------------------------------------------------------------------

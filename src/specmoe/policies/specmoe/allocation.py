@@ -11,7 +11,9 @@ per block, averaged over blocks: draft_quality.py):
 The draft's expected cost is the sum, over blocks and experts, of how often the expert
 is picked (its share of the block's picks) times the cost of the way it is held: a
 model of the chance that a pick held so changes the drafted token, from its relative
-output error (`pick_cost`). Which way minimizes it within the budget is a multiple-choice
+output error (`pick_cost`), times the block's weight (how much of the residual stream
+the block writes: a pick in the first block of the demo model costs several times one
+in the others). Which way minimizes it within the budget is a multiple-choice
 knapsack; `allocate` solves its relaxation greedily (each expert's choices on their lower
 convex hull of bytes against cost, upgrades taken most cost saved per byte first), which
 is within one upgrade of the optimum. Full-precision experts come first, as a count per
@@ -67,7 +69,7 @@ class Allocation:
 
     held: dict[Key, str]  # (layer, expert) -> full | int8 | ... | substitute
     nbytes: int
-    cost: float  # sum over blocks of the picks' expected cost, pick_cost (0: the model's own experts)
+    cost: float  # sum over blocks of the picks' expected cost, pick_cost x block weight (0: the model's own experts)
     full_per_block: int = 0
 
     def count(self) -> dict[str, int]:
@@ -96,12 +98,17 @@ class Options:
     # a pick's cost each way, where measured otherwise (benchmarks/pick_costs.py: from the
     # draft's acceptance); by default pick_cost of its error
     measured: dict[str, float] | None = None
+    # how much a pick in each block counts (draft_quality.block_weights); missing: 1
+    block_weights: dict[int, float] | None = None
 
     def ways(self) -> list[str]:
         return [w for w in (self.allowed or tuple(self.nbytes)) if w in self.nbytes]
 
     def costs(self) -> dict[str, float]:
         return self.measured or {w: pick_cost(e) for w, e in self.errors.items()}
+
+    def weight(self, layer: int) -> float:
+        return (self.block_weights or {}).get(layer, 1.0)
 
 
 def pick_shares(counts: dict[int, list[float]]) -> dict[int, list[float]]:
@@ -129,8 +136,9 @@ def allocate(shares: dict[int, list[float]], options: Options, budget: int,
     total = 0.0
     cost = options.costs()
     for layer, row in shares.items():
-        sub_cost = cost[SUBSTITUTE]
-        for e, share in enumerate(row):
+        sub_cost, weight = cost[SUBSTITUTE], options.weight(layer)
+        for e, picked in enumerate(row):
+            share = picked * weight  # what its picks count for
             key = (layer, e)
             if e in exclude.get(layer, ()):
                 held[key] = FULL

@@ -31,7 +31,15 @@ from ...base.units import format_bytes, parse_size
 from ...experts.draft_copies import ExpertCopies, load_copies
 from ...experts.quant import BITS, draft_copy_bytes, draft_modes
 from .allocation import FULL, Allocation, Options, allocate, choose_full, pick_shares
-from .draft_quality import cached_errors, default_errors, mean_errors, measure_block, save_errors
+from .draft_quality import (
+    RESIDUAL_SHARE,
+    block_weights,
+    cached_errors,
+    default_errors,
+    mean_errors,
+    measure_block,
+    save_errors,
+)
 
 def draft_ways(draft_quant: str, expert_quant) -> tuple[str, ...]:
     """How experts may be held: auto, every way (copies with fewer bits than the experts
@@ -75,6 +83,7 @@ class DraftMemory:
         self.copies: ExpertCopies | None = None
         self.reload_bytes = 0
         self.rows: dict[int, dict[str, float]] = {}  # measured errors, block by block
+        self.output_norm: dict[int, float] = {}  # a prefill block's output, until the stream after it is seen
         self.drafted = Counter()  # the draft's picks by how it held the picked expert
 
     def count_drafted(self, layer: int, picks: dict[int, int]) -> None:
@@ -92,14 +101,27 @@ class DraftMemory:
             modes = [w for w in self.options.ways() if w != FULL]
             self.rows[layer] = measure_block(self.runtime.checkpoint, layer, x, counts, distances, modes)
 
+    def record_output(self, layer: int, out: torch.Tensor) -> None:
+        """A prefill block's output, while its row lacks its share of the residual stream."""
+        if layer in self.rows and RESIDUAL_SHARE not in self.rows[layer]:
+            self.output_norm[layer] = float(out.float().norm(dim=-1).mean())
+
+    def record_residual(self, layer: int, hidden: torch.Tensor) -> None:
+        """The residual stream after the block whose output was just recorded: its share."""
+        if layer in self.output_norm:
+            stream = float(hidden.float().norm(dim=-1).mean())
+            self.rows[layer][RESIDUAL_SHARE] = self.output_norm.pop(layer) / stream if stream > 0 else 1.0
+
     def reallocate(self, picks: torch.Tensor, full: dict[int, list[int]]) -> ExpertCopies:
         """Copies for the experts not held in full, from every pick so far (`picks` [layers,
         E]); loads what changed."""
         ckpt = self.runtime.checkpoint
         counts = {layer: picks[layer].tolist() for layer in self.layers}
-        if not self.measured and set(self.rows) == set(self.layers):
+        if not self.measured and set(self.rows) == set(self.layers) and all(
+                RESIDUAL_SHARE in row for row in self.rows.values()):
             save_errors(ckpt, self.cache, self.rows)
-            self.options = Options(self.options.nbytes, mean_errors(self.rows), self.options.allowed)
+            self.options = Options(self.options.nbytes, mean_errors(self.rows), self.options.allowed,
+                                   block_weights=block_weights(self.rows))
             self.measured, self.rows = True, {}
         allocation = allocate(pick_shares(counts), self.options, self.copy_budget, full, at_least_one=True)
         self.copies, read = load_copies(ckpt, allocation.copies(), self.cache, self.runtime.device, self.copies)
@@ -134,7 +156,8 @@ class Start:
         ways = draft_ways(draft_quant, c.expert_quant)
         self.errors = cached_errors(ckpt, cache, ways)  # None: not measured yet
         nbytes, self.scratch = way_bytes(c, ways, slot_bytes, device, dtype)
-        self.options = Options(nbytes, mean_errors(self.errors or default_errors(c.draft_layer_ids)), ways)
+        table = self.errors or default_errors(c.draft_layer_ids)
+        self.options = Options(nbytes, mean_errors(table), ways, block_weights=block_weights(table))
         self.plan = start_plan(c, self.options, self.limit, self.scratch, slot_bytes, draft_quant, draft_experts)
         self.full_bytes = self.plan.full_per_block * len(c.draft_layer_ids) * slot_bytes
 

@@ -197,10 +197,19 @@ class SpecMoEPolicy(OffloadPolicy):
             self.prefetch_predicted += len(predicted)
             self.prefetch_needed += len(needed)
         self.hotness.add(layer, routing.ids)
-        if self.memory is not None and self.pass_kind == "prefill":
+        measuring = self.memory is not None and self.pass_kind == "prefill"
+        if measuring:
             self.memory.record(layer, x, self.hotness.totals[layer].tolist(),
                                self.affinity[layer] if self.affinity is not None else None)
-        return super().run_moe(layer, x, routing)
+        out = super().run_moe(layer, x, routing)
+        if measuring:
+            self.memory.record_output(layer, out)
+        return out
+
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        super().after_layer(layer, hidden)
+        if self.memory is not None and self.pass_kind == "prefill":
+            self.memory.record_residual(layer, hidden)
 
     # --- the draft set ---------------------------------------------------------------------
 
