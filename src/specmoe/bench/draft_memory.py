@@ -199,6 +199,45 @@ def _curve_ratio(points: dict, share: float) -> str:
     return f"{at['allocated']['tokens_per_step'] / at[best]['tokens_per_step']:.3f}x ({best})"
 
 
+# benchmarks/pick_costs.py's documents: (file name, model) on training prompts (the
+# translation model has held-out prompts only: a set the curve and the sample did not use)
+PICK_COSTS = (("pick-costs.json", "demo"), ("pick-costs-translate.json", "translation"))
+PICK_COSTS_RUNS = (("pick-costs.json", ""), ("pick-costs-translate.json", "--model specmoe-demo-translate "
+                   "--prompts-file benchmarks/prompts/translate_heldout.jsonl --prompts-skip 200 --num-prompts 64 "))
+COPY_WAYS = ("int8", "int4", "int3", "int2")
+
+
+def pick_cost_table(costs: list[tuple[str, dict]]) -> str:
+    """Each way's cost per pick measured from the draft's acceptance beside the engine's
+    model of it (pick_cost of the relative output error), both as multiples of int3's."""
+    rows = []
+    for model, doc in costs:
+        c, e = doc["costs"], doc.get("error_costs")
+        for way in (*COPY_WAYS, "substitute"):
+            rows.append([model, way, _f(doc.get("errors", {}).get(way), "{:.3f}"), f"{c[way]:.5f}",
+                         _f(c[way] / c["int3"] if c["int3"] else None, "{:.2f}"),
+                         _f(e[way] / e["int3"] if e and e["int3"] else None, "{:.2f}")])
+    return md_table(["model", "way", "relative output error", "cost per pick (from acceptance)", "÷ int3's",
+                     "error model ÷ int3's"], rows) + "\n"
+
+
+def block_cost_table(costs: list[tuple[str, dict]]) -> str:
+    """Per block: its share of the residual stream and the weight the allocator gives its
+    picks, beside what a pick there costs measured from acceptance (int2 there, then its less
+    picked half substituted; every other expert int8), each over its mean over the blocks."""
+    rows = []
+    for model, doc in costs:
+        blocks = doc["blocks"]
+        mean = {w: sum(b[w] for b in blocks) / len(blocks) for w in ("int2", "substitute")}
+        for b in blocks:
+            rows.append([model, str(b["layer"]), f"{b['residual_share']:.3f}", f"{b['weight']:.2f}",
+                         f"{b['int2']:.5f}", _f(b["int2"] / mean["int2"] if mean["int2"] > 0 else None, "{:.2f}"),
+                         f"{b['substitute']:.5f}",
+                         _f(b["substitute"] / mean["substitute"] if mean["substitute"] > 0 else None, "{:.2f}")])
+    return md_table(["model", "block", "share of the residual stream", "weight (allocator)", "int2: cost per pick",
+                     "÷ blocks' mean", "substitute: cost per pick", "÷ blocks' mean"], rows) + "\n"
+
+
 def draft_memory_section(docs: dict[str, dict]) -> str:
     """The goals per model and batch size, each way averaged over the batch sizes, and
     the curves' picture."""
@@ -224,6 +263,22 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
                      "tokens per step do not depend on it), the allocator's ratio to the best single format with "
                      "its 95 % interval over the requests (resampled in pairs: both ran the same prompts), beside "
                      "the curve's own comparison at that point (\"on the curve\"):\n\n" + draft_memory_samples(samples, docs))
+    costs = [(model, docs[name]) for name, model in PICK_COSTS if name in docs]
+    if costs:
+        parts.append("### What a pick costs the draft, measured from its acceptance\n\n"
+                     "A drafted token survives each of its P picks (top_k per drafting block) held one way with "
+                     "chance exp(-c), so its acceptance is exp(-P sum_w s_w c_w) over the shares s_w of its picks "
+                     "held each way: c, a way's cost per pick, from runs with every drafting expert held one way "
+                     "(int8 .. int2 copies of all of them), then substitution beside int8 copies of the most "
+                     "picked half and three quarters (benchmarks/pick_costs.py; host tier, B = 16, 96 tokens, the "
+                     "demo model's training prompts (32), the translation model's held-out prompts 201-264, "
+                     "neither the curve's nor the sample's). Beside each, the allocator's model of it from the "
+                     "relative output error:\n\n" + pick_cost_table(costs)
+                     + "\nBlock by block: one block held int2 (then its less picked half substituted), every "
+                     "other expert an int8 copy. The output errors are alike in every block, but a pick costs "
+                     "more where the block writes more of the residual stream: the allocator weighs each "
+                     "block's picks by the square of that share (measured on the first prefill), over its "
+                     "mean:\n\n" + block_cost_table(costs))
     return "\n".join(p.rstrip("\n") + "\n" for p in parts)
 
 
@@ -279,5 +334,9 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                         f"specmoe bench {model}--no-grid --ablation draft-memory --ablation-draft-memory 10% "
                         f"--ablation-draft-ways allocated,int3 --ablation-batch-size {min(b, 2)} {BENCH_SMOKE} "
                         f"--anchors none --offload host --json {{out}}/{stem}-{b}.json")
-                    for stem, model, b, shares, tokens, batches, ways in SAMPLE_POINTS),
+                    for stem, model, b, shares, tokens, batches, ways in SAMPLE_POINTS)
+            + tuple(Run(name, f"python benchmarks/pick_costs.py {options}--json {{out}}/{name}",
+                        f"python benchmarks/pick_costs.py {options}--num-prompts 4 --max-tokens 8 "
+                        f"--json {{out}}/{name}")
+                    for name, options in PICK_COSTS_RUNS),
             draft_memory_section)
