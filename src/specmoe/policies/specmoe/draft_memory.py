@@ -171,6 +171,8 @@ def describe(ckpt, value, budget_limit: int | None, slot_bytes: int, device, dty
             "draft_full_bytes": start.full_bytes, "draft_copies_bytes": plan.nbytes - start.full_bytes,
             "draft_scratch_bytes": start.scratch,
             "draft_errors": "measured" if start.errors else "prior (measured on the first prefill, then cached)",
+            "draft_block_weights": {layer: round(w, 2) for layer, w in start.options.block_weights.items()}
+            if start.errors else "1 each until the first prefill measures them",
             "draft_note": "before routing is seen: the copies are chosen again from the picks after each prefill"}
 
 
