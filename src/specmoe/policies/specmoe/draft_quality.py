@@ -49,13 +49,13 @@ def block_weights(table: dict[int, dict[str, float]]) -> dict[int, float]:
     of its share of the residual stream, over the mean square (all 1 before it is measured).
 
     On the demo model the first MoE block writes about all of the stream (0.98) and the
-    others a sixth to a fifth; a pick's cost measured from the draft's acceptance, with one
-    block held one way and the rest int8, was 3.3x the others' in the first block for int2
-    and 6.5x for substitution (the output errors there were no larger). Weighing blocks by
-    the share squared drafted more tokens per step than by its square root or the share
-    itself at 5 and 10 % of the expert bytes (demo model, 32 training prompts, B = 16:
-    4.21 / 4.48 / 4.80 at 5 %, 9.08 / 9.62 / 10.31 at 10 %; cubed 4.76 and 10.13; with no
-    weights 3.03 and 9.02)."""
+    others a sixth to a fifth, and their output errors are alike; a pick's cost measured
+    from the draft's acceptance (benchmarks/pick_costs.py) was 2.8x the blocks' mean in the
+    first block for int2 and 3.5x for substitution, and in the others it rose with the share
+    (int2: 0.009 at 0.16 to 0.019 at 0.21). The share itself would weigh the first block
+    3.4x; its square (6.4x) drafted more tokens per step, at 5 and 10 % of the expert bytes
+    (demo model, 32 training prompts, B = 16; square root / share / square: 4.21 / 4.48 /
+    4.80 at 5 %, 9.08 / 9.62 / 10.31 at 10 %; cubed 4.76 and 10.13; no weights 3.03, 9.02)."""
     squares = {layer: row.get(RESIDUAL_SHARE, 1.0) ** 2 for layer, row in table.items()}
     mean = sum(squares.values()) / len(squares)
     return {layer: s / mean if mean > 0 else 1.0 for layer, s in squares.items()}
