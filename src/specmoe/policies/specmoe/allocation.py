@@ -44,6 +44,10 @@ PRIOR_PICKS = 1.0
 # 2.7x and 3.7x in error: with the error itself as the cost the allocator spent 5 % of the
 # expert bytes on int3 copies and substituted half the picks; cubed without saturation,
 # it starved blocks whose two sampled substitutes happened to be closer.
+# Measured from the draft's acceptance one way at a time (benchmarks/pick_costs.py), a pick's
+# cost grows about linearly with the error; but with the error itself as the cost (block
+# weights on) the allocator substituted 92 of 128 experts at 5 % and drafted 0.64x the tokens
+# per step (0.86x at 10 %): substitutions cost more together than one at a time.
 ERROR_SCALE, ERROR_POWER = 1.1, 3
 # No 1-bit way: copies of each weight's sign times its group's mean |W| (half int2's bytes,
 # output error 0.77 on the demo model) were tried at 5 % of its expert bytes, held for the
