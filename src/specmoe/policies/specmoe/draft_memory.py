@@ -138,7 +138,6 @@ class DraftMemory:
                 "draft_expected_cost": self.allocation.cost if self.allocation else None,
                 "draft_errors_measured": self.measured}
 
-
     def picks_by_way(self) -> dict[str, float]:
         """Each way's share of the draft's picks: what the acceptance is the cost of."""
         total = sum(self.drafted.values())
