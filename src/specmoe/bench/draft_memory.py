@@ -30,7 +30,8 @@ TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/tr
 # verification compute the same on any tier) and the ways that came near the allocator there. The
 # demo's B = 1 and 16 eight times the curve's prompts: with four, the allocator was below the best
 # single format with 1.0 inside the interval at both. B = 16 at 5 % also on the next two sets of
-# 128 prompts: on the first set the allocator was below int2 with the interval below 1.0.
+# 128 prompts: on the first set the allocator was below int2 with the interval below 1.0 (before it
+# weighed blocks by their share of the residual stream).
 # (file stem, model options, B, draft memories, tokens, prompt batches, ways)
 NEAR_WAYS = "allocated,int4,int3,int2"
 SAMPLE_POINTS = (("draft-memory-sample", "", 1, "5%,10%", 96, 32, "allocated,int3,int2"),
