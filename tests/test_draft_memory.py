@@ -307,6 +307,23 @@ def test_the_first_prefill_measures_each_blocks_share_of_the_residual_stream(ref
     llm.close()
 
 
+def test_info_shows_the_block_weights_once_a_run_has_measured_them(reference, tmp_path, capsys):
+    path, prompts, _, _, expert_bytes = reference
+    args = ("info", "--model", str(path), "--device", "cpu", "--draft-memory", str(int(0.2 * expert_bytes)),
+            "--offload-dir", str(tmp_path), "--json")
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert json.loads(out)["draft_block_weights"].startswith("1 each until")
+    llm, _ = memory_llm(reference, tmp_path, 0.2, draft_quant="auto")
+    llm.generate(prompts, GREEDY)
+    llm.close()
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    table = cached_errors(Checkpoint(path), tmp_path, ("int8", "int4", "int3", "int2"))
+    want = {str(layer): round(w, 2) for layer, w in block_weights(table).items()}
+    assert json.loads(out)["draft_block_weights"] == want
+
+
 def test_a_cached_table_without_the_residual_shares_is_measured_again(reference, tmp_path):
     ckpt = Checkpoint(reference[0])
     rows = {layer: {FULL: 0.0, "int2": 0.4, SUBSTITUTE: 1.2, RESIDUAL_SHARE: 0.2} for layer in ckpt.config.draft_layer_ids}
