@@ -94,6 +94,8 @@ SECTION = Section(
     "on this machine at this batch size ranks by its measured tok/s). The demo model at B = 1 (four prompts one "
     "after another), 16 and 64, the real-size model at B = 16 (64 tokens, three timed rounds, each in another "
     "order); held-out prompts, real disk tier, one torch thread, each run beside ondemand in one rotation. The "
+    "demo model at B = 16 ran again once the allocator weighed blocks by their share of the residual stream (the "
+    "draft-memory section), B = 1, 64 and the real-size model before. The "
     "goal: the planner's tokens/s within 5 % of the curve's best point. The real-size planner planned from what "
     "earlier runs on this machine had recorded, as a user's does: on a fresh cache (this command with --max-tokens 32) it took "
     "90 % from the prior's prediction at 0.885x of the best point; after that run, the best point's very draft and "
