@@ -270,8 +270,10 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
                      "A drafted token survives each of its P picks (top_k per drafting block) held one way with "
                      "chance exp(-c), so its acceptance is exp(-P sum_w s_w c_w) over the shares s_w of its picks "
                      "held each way: c, a way's cost per pick, from runs with every drafting expert held one way "
-                     "(int8 .. int2 copies of all of them), then substitution beside int8 copies of the most "
-                     "picked half and three quarters (benchmarks/pick_costs.py; host tier, B = 16, 96 tokens, the "
+                     "(int8 .. int2 copies of all of them), then substitution beside int8 copies of half and "
+                     "three quarters of the experts, placed as the allocator places them (in the blocks that "
+                     "weigh most: the substituted picks fall in the others) (benchmarks/pick_costs.py; host "
+                     "tier, B = 16, 96 tokens, the "
                      "demo model's training prompts (32), the translation model's held-out prompts 201-264, "
                      "neither the curve's nor the sample's). Beside each, the allocator's model of it from the "
                      "relative output error:\n\n" + pick_cost_table(costs)
