@@ -28,12 +28,12 @@ from pathlib import Path
 from specmoe import LLM, SamplingParams
 from specmoe.base.checkpoint import Checkpoint
 from specmoe.base.paths import offload_dir, resolve_model_dir
+from specmoe.bench.draft_memory import COPY_WAYS
 from specmoe.policies.specmoe import draft_memory
 from specmoe.policies.specmoe.allocation import FULL, SUBSTITUTE, Allocation, pick_cost
 from specmoe.policies.specmoe.draft_quality import RESIDUAL_SHARE, block_weights, cached_errors, mean_errors
 
 TRAIN = Path(__file__).resolve().parent / "prompts" / "train.jsonl"
-COPY_WAYS = ("int8", "int4", "int3", "int2")
 # int8 copies of about half and three quarters of the drafting experts: the rest substituted
 SUBSTITUTED_AT = (0.5, 0.75)
 EVERYTHING = 2**62  # a draft memory that holds copies of every expert in any way
@@ -82,10 +82,6 @@ def per_pick(record: dict, picks_per_token: int, known: dict[str, float], way: s
     lost = -math.log(max(record["acceptance_per_token"], 1e-9)) / picks_per_token
     lost -= sum(share * known[w] for w, share in record["picks_by_way"].items() if w != way)
     return lost / record["picks_by_way"][way]
-
-
-def predicted_acceptance(shares: dict[str, float], costs: dict[str, float], picks_per_token: int) -> float:
-    return math.exp(-picks_per_token * sum(s * costs[w] for w, s in shares.items()))
 
 
 def measure_costs(runs: Runs, picks_per_token: int) -> tuple[dict[str, float], dict]:

@@ -109,19 +109,6 @@ def test_at_least_one_expert_per_block_is_held_when_the_budget_allows():
     assert floor.covered(0) and floor.covered(1) and floor.nbytes <= 200
 
 
-def test_measured_costs_replace_the_ones_from_the_errors():
-    """Costs measured otherwise (benchmarks/pick_costs.py) decide the allocation: where a
-    substitution costs little more than an int2 copy, the budget buys int4 for the hot expert
-    rather than covering the cold one."""
-    shares = {0: [0.9, 0.1]}
-    by_errors = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2")), 200)
-    assert by_errors.held == {(0, 0): "int2", (0, 1): "int2"}
-    measured = {FULL: 0.0, "int4": 0.001, "int2": 0.05, SUBSTITUTE: 0.06}
-    by_measure = allocate(shares, Options(NBYTES, ERRORS, ("int4", "int2"), measured), 200)
-    assert by_measure.held == {(0, 0): "int4", (0, 1): SUBSTITUTE}
-    assert by_measure.cost == pytest.approx(0.9 * 0.001 + 0.1 * 0.06)
-
-
 def test_a_block_that_writes_more_of_the_stream_weighs_more():
     """Weights are the squared shares of the residual stream over their mean; a block not
     measured yet weighs 1."""

@@ -30,8 +30,7 @@ def test_a_ways_cost_comes_back_from_the_acceptance_it_predicts(script):
     that way's cost: the measurement inverts the model."""
     costs = {"int8": 0.0004, "int2": 0.009, "substitute": 0.06}
     shares = {"int8": 0.5, "int2": 0.2, "substitute": 0.3}
-    a = script.predicted_acceptance(shares, costs, 16)
-    assert a == pytest.approx(math.exp(-16 * (0.5 * 0.0004 + 0.2 * 0.009 + 0.3 * 0.06)))
+    a = math.exp(-16 * sum(share * costs[w] for w, share in shares.items()))
     record = {"acceptance_per_token": a, "picks_by_way": shares}
     assert script.per_pick(record, 16, costs, "substitute") == pytest.approx(0.06)
     assert script.per_pick(record, 16, costs, "int2") == pytest.approx(0.009)

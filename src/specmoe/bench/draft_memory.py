@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from ..experts.quant import BITS
 from .report import md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .tables import _f
@@ -205,7 +206,7 @@ def _curve_ratio(points: dict, share: float) -> str:
 PICK_COSTS = (("pick-costs.json", "demo"), ("pick-costs-translate.json", "translation"))
 PICK_COSTS_RUNS = (("pick-costs.json", ""), ("pick-costs-translate.json", "--model specmoe-demo-translate "
                    "--prompts-file benchmarks/prompts/translate_heldout.jsonl --prompts-skip 200 --num-prompts 64 "))
-COPY_WAYS = ("int8", "int4", "int3", "int2")
+COPY_WAYS = tuple(BITS)  # int8 .. int2
 
 
 def pick_cost_table(costs: list[tuple[str, dict]]) -> str:

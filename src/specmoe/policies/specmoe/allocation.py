@@ -99,17 +99,11 @@ class Options:
     nbytes: dict[str, int]
     errors: dict[str, float]
     allowed: tuple[str, ...] = field(default=())  # default: every key of nbytes
-    # a pick's cost each way, where measured otherwise (benchmarks/pick_costs.py: from the
-    # draft's acceptance); by default pick_cost of its error
-    measured: dict[str, float] | None = None
     # how much a pick in each block counts (draft_quality.block_weights); missing: 1
     block_weights: dict[int, float] | None = None
 
     def ways(self) -> list[str]:
         return [w for w in (self.allowed or tuple(self.nbytes)) if w in self.nbytes]
-
-    def costs(self) -> dict[str, float]:
-        return self.measured or {w: pick_cost(e) for w, e in self.errors.items()}
 
     def weight(self, layer: int) -> float:
         return (self.block_weights or {}).get(layer, 1.0)
@@ -138,7 +132,7 @@ def allocate(shares: dict[int, list[float]], options: Options, budget: int,
     heap: list[tuple[float, int, Key, int]] = []  # (-cost saved per byte, tie order, expert, its step)
     ladders: dict[Key, list[tuple[int, float, str]]] = {}
     total = 0.0
-    cost = options.costs()
+    cost = {w: pick_cost(e) for w, e in options.errors.items()}
     for layer, row in shares.items():
         sub_cost, weight = cost[SUBSTITUTE], options.weight(layer)
         for e, picked in enumerate(row):
