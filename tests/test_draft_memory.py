@@ -506,6 +506,33 @@ def test_the_scarce_points_with_more_prompts_are_set_beside_the_curves_compariso
     assert later.splitlines()[2].startswith("| demo (prompts 129-144) | 16 | 5% | 16 |") and later.endswith("| – |\n")
 
 
+def test_a_point_sampled_on_several_sets_of_prompts_is_pooled_over_their_requests():
+    """Pooled: each way's tokens over its steps across every set's requests (not the mean of
+    the sets' ratios), the best single format chosen on the pooled figures; a point sampled
+    on one set, or without per-request counts, gets no pooled row."""
+    from specmoe.bench.draft_memory import draft_memory_pooled
+
+    def sample(skip: int, allocated: list, int3: list, int2: list) -> dict:
+        doc = _curve_doc(1, {(0.05, "allocated"): (0.0, 1.0), (0.05, "int3"): (0.0, 1.0), (0.05, "int2"): (0.0, 1.0),
+                             (0.1, "allocated"): (5.0, 1.0), (0.1, "int3"): (4.0, 1.0)})
+        doc["config"].update(prompt_batches=2, prompts_skip=skip)
+        for r in doc["ablations"][0]["records"]:
+            r["sequence_decode"] = {"allocated 5%": allocated, "int3 5%": int3, "int2 5%": int2}.get(r["label"])
+        return doc
+
+    first = sample(0, [[30, 10], [30, 10]], [[40, 10], [40, 10]], [[20, 10], [20, 10]])  # int3 best: 0.75x
+    second = sample(2, [[90, 10], [90, 10]], [[50, 10], [50, 10]], [[60, 10], [60, 10]])  # int2 best: 1.5x
+    table = draft_memory_pooled([("draft-memory-sample-translate-1.json", first),
+                                 ("draft-memory-sample-translate-skip2-1.json", second)])
+    (row,) = [line.strip("| ").split(" | ") for line in table.splitlines()[2:]]
+    # allocated 240 tokens / 40 steps = 6.0; int3 180 / 40 = 4.5 (int2 4.0): 1.333x, not the sets' mean 1.125x
+    assert row[:8] == ["translation", "1", "5%", "1-2, 3-4", "4", "6.00", "int3 4.50", "1.333x"]
+    assert row[9] == "yes" and float(row[8].split("-")[0]) < 1.333 < float(row[8].split("-")[1])
+    assert draft_memory_pooled([("draft-memory-sample-translate-1.json", first)]) == ""
+    assert draft_memory_pooled([("draft-memory-sample-1.json", first),
+                                ("draft-memory-sample-translate-skip2-1.json", second)]) == ""  # two models
+
+
 def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(reference, tmp_path, monkeypatch):
     """Reallocating after a prefill must not hold the old copies and the new together (up
     to twice the draft's memory): every tensor of a copy no longer wanted is gone before
