@@ -47,7 +47,13 @@ PRIOR_PICKS = 1.0
 # Measured from the draft's acceptance one way at a time (benchmarks/pick_costs.py), a pick's
 # cost grows about linearly with the error; but with the error itself as the cost (block
 # weights on) the allocator substituted 92 of 128 experts at 5 % and drafted 0.64x the tokens
-# per step (0.86x at 10 %): substitutions cost more together than one at a time.
+# per step (0.86x at 10 %): substitutions cost more together than one at a time. Squared (scale
+# 1.1, block weights on) was closer to the measured costs' ratios on both models, and drafted
+# within the noise: 5.01 and 10.20 tokens per step against 4.91 and 9.97 at 5 and 10 % (demo, training
+# prompts, B = 16), 11.47 against 12.16 at 5 % (translation, prompts 201-232, B = 1). A smaller
+# scale (0.6: substitution saturated, int2 over int3 as measured on the demo model) drafted 4.08
+# and 9.93 (demo), 11.52 (translation); the measured costs themselves in place of the model, 3.55
+# and 8.91 on the demo model.
 ERROR_SCALE, ERROR_POWER = 1.1, 3
 # No 1-bit way: copies of each weight's sign times its group's mean |W| (half int2's bytes,
 # output error 0.77 on the demo model) were tried at 5 % of its expert bytes, held for the
