@@ -47,13 +47,16 @@ PRIOR_PICKS = 1.0
 # Measured from the draft's acceptance one way at a time (benchmarks/pick_costs.py), a pick's
 # cost grows about linearly with the error; but with the error itself as the cost (block
 # weights on) the allocator substituted 92 of 128 experts at 5 % and drafted 0.64x the tokens
-# per step (0.86x at 10 %): substitutions cost more together than one at a time. Squared (scale
-# 1.1, block weights on) was closer to the measured costs' ratios on both models, and drafted
-# within the noise: 5.01 and 10.20 tokens per step against 4.91 and 9.97 at 5 and 10 % (demo, training
-# prompts, B = 16), 11.47 against 12.16 at 5 % (translation, prompts 201-232, B = 1). A smaller
-# scale (0.6: substitution saturated, int2 over int3 as measured on the demo model) drafted 4.08
-# and 9.93 (demo), 11.52 (translation); the measured costs themselves in place of the model, 3.55
-# and 8.91 on the demo model.
+# per step (0.86x at 10 %): substitutions cost more together than one at a time.
+# Retried with the block weights, tokens per step at 5 % (and 10 %) against this model's:
+# - squared (scale 1.1), closer to the measured costs' ratios on both models: demo, training
+#   prompts, B = 16: 5.01 (10.20) against 4.91 (9.97); B = 1: 4.39 (9.21) against 4.56 (9.16);
+#   translation, B = 1, prompts 201-232: 11.47 against 12.16, 265-296: 11.97 against 9.87
+#   (int3 alone 10.38). Ahead on average on the strength of one set (265-296): the next to try,
+#   on more training prompts.
+# - power 1.5: demo 3.64 (8.99), translation 11.26 (265-296); a smaller scale (0.6: substitution saturated, int2 over int3
+#   as measured on the demo model): demo 4.08 (9.93), translation 11.52 (201-232); the measured
+#   costs themselves: demo 3.55 (8.91).
 ERROR_SCALE, ERROR_POWER = 1.1, 3
 # No 1-bit way: copies of each weight's sign times its group's mean |W| (half int2's bytes,
 # output error 0.77 on the demo model) were tried at 5 % of its expert bytes, held for the
