@@ -362,14 +362,13 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "prompts, B = 16) at 2.2-2.7 tokens per step. The demo and translation curves and the samples below "
             "ran with the weights, and the real-size curve's B = 16 and 64 (those but B = 16 at 20 % beside other "
             "benchmarks on this machine's two cores: their throughput against ondemand is noisier, their tokens "
-            "per step are not); its B = 1 points ran before them "
-            "(its model is the demo model widened, with the same shares; half an hour a run here). Where the draft is scarce the ways come within a "
-            "few % of each other, closer than one run's sampling error, so those points ran again with more "
+            "per step are not); its B = 1 points ran before them (its model is the demo model widened, with the "
+            "same shares; half an hour a run here). Where the draft is scarce the ways come within a few % of each "
+            "other, closer than one run's sampling error, so those points ran again with more "
             "prompts (the demo model at B = 1: 32 one after another, B = 16: 128, both beside int3 and int2, eight "
             "times the curve's prompts, and B = 16 at 5 % on the next two sets of 128 too; B = 64: 128; the "
             "translation model at B = 1: 64, and at 5 % on its next two sets of 64 too; 96 tokens each, beside "
-            "int4, int3 and int2), on the host tier: tokens "
-            "per step do not depend on the tier. The interval over one run's requests is narrower than what "
+            "int4, int3 and int2), on the host tier: tokens per step do not depend on the tier. The interval over one run's requests is narrower than what "
             "changes from one set of prompts to the next.",
             tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                       f"--ablation-draft-memory {shares} --ablation-batch-size {b} {run} --json {{out}}/{stem}-{b}.json",
