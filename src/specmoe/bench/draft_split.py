@@ -103,9 +103,9 @@ SECTION = Section(
     "pool (allocated 70 %), at 0.789x of that point's own runs (this command; runs of one holding differed by up to "
     "27 %); after that run and four of its own (each beside the same split given explicitly), 80 % of the room at "
     "1.002x of the best point. With the weights (below) it took 90 % in int8 copies, the best point's draft and "
-    "pool (the allocator holds an int8 copy of every expert there: the same tokens, the same bytes moved); its "
-    "runs and int8's shared this machine's two cores with another benchmark's for part of the time and ran "
-    "10-13 % below the allocated runs of that same draft, in their verify passes' disk reads.",
+    "pool (the allocator holds an int8 copy of every expert there: the same tokens, the same bytes moved), at "
+    "0.980x of the best point (run alone: an earlier run beside another benchmark on this machine's two cores "
+    "had its runs 10-13 % below the allocated runs of that same draft, in their verify passes' disk reads).",
     # the demo model at B = 1 (four prompts one after another), 16 and 64
     (*(Run(f"draft-split-{b}.json", "specmoe bench --no-grid --ablation draft-split --ablation-draft-memory "
           f"20%,30%,50%,70%,90% --ablation-batch-size {b} {ablation_run(64, 4 if b == 1 else 1)} "
