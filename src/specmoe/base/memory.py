@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import resource
 import sys
 
@@ -53,13 +54,20 @@ def release_free_memory() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim): building the engine
     frees large temporaries that glibc would otherwise keep in the process (about 0.2 GiB
     at real size). A no-op where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None; looked up once (finding the C library runs ldconfig,
+    a few ms: more than a trim, and some callers trim per expert)."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
+        return ctypes.CDLL(name).malloc_trim
     except (OSError, AttributeError, TypeError):
-        return
-    trim(0)
+        return None
 
 
 def available_bytes() -> int | None:
