@@ -561,6 +561,20 @@ def test_copies_chosen_again_free_the_stale_ones_before_the_new_ones_are_read(re
     assert sorted(new.modes) == [(0, 0), (0, 2), (1, 2)]
 
 
+def test_copies_read_from_a_mode_file_built_block_by_block_are_those_made_without_one(reference, tmp_path):
+    """The cache file (built a block at a time) and no file at all (each copy quantized from
+    the checkpoint, as where the cache dir is read-only) give every copy the same bytes."""
+    from specmoe.experts import draft_copies
+
+    ckpt = Checkpoint(reference[0])
+    wanted = {(0, 0): "int4", (1, 2): "int4", (0, 1): "int2", (1, 3): "int8"}
+    cached, _ = draft_copies.load_copies(ckpt, wanted, tmp_path, "cpu")
+    alone, _ = draft_copies.load_copies(ckpt, wanted, None, "cpu")
+    for key in wanted:
+        ours, theirs = list(_tensors(cached.expert(*key))), list(_tensors(alone.expert(*key)))
+        assert ours and len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def test_each_requests_decode_tokens_and_steps_add_up_to_the_runs_tokens_per_step(reference, tmp_path):
     """The per-request counts the scarce points' intervals resample are the run's own."""
     _, prompts, _, _, _ = reference

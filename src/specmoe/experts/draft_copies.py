@@ -4,8 +4,8 @@ Where `QuantizedExperts` holds one mode's copies of every expert stacked per blo
 `ExpertCopies` holds the copies an allocation chose (policies/specmoe/allocation.py):
 expert (layer, e) in int8, another in int2, most in none. Each copy is read on its own
 from its mode's cache file (quant_cache.py: a row of the block's stacks), so loading
-holds the chosen copies, never a whole mode's; a mode's file is built once, the first
-time a copy of that mode is wanted.
+holds the chosen copies, never a whole mode's; a mode's file is built once, a block at
+a time (so neither does building it), the first time a copy of that mode is wanted.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from .quant import (
     QuantizedExperts,
     QuantizedMatrix,
     draft_kernel_choices,
+    quantize_expert,
 )
-from .quant_cache import cache_path, load_quantized
+from .quant_cache import cache_path, save_quantized
 
 Key = tuple[int, int]
 
@@ -90,16 +91,16 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
 
 def _read_rows(ckpt: Checkpoint, mode: str, keys: list[Key], cache_dir: Path | None):
     """(key, that expert's copy in the stored format) for each key, from the mode's cache
-    file (built first when missing), one expert's rows at a time."""
+    file (built first when missing, a block at a time), one expert's rows at a time; with
+    no file (no cache, or none could be written) each quantized from the checkpoint alone."""
     spec, bits = ckpt.config.expert, BITS[mode]
-    if cache_dir is None:  # no cache: quantize the whole mode once, keep only what is wanted
-        q = load_quantized(ckpt, mode, None)
-        for key in keys:
-            yield key, q.layers[key[0]].select(key[1])
+    path = cache_path(ckpt, mode, cache_dir) if cache_dir is not None else None
+    if path is not None and not path.is_file():
+        save_quantized(ckpt, mode, cache_dir)
+    if path is None or not path.is_file():
+        for layer, e in keys:
+            yield (layer, e), quantize_expert(ckpt.expert_buffer(layer, e, torch.float32), spec, bits)
         return
-    path = cache_path(ckpt, mode, cache_dir)
-    if not path.is_file():
-        load_quantized(ckpt, mode, cache_dir)  # builds and saves the file (and frees the copies)
     reader = SafetensorsReader(path)
     for layer, e in keys:
         def matrix(part: str, in_features: int) -> QuantizedMatrix:

@@ -7,12 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, warn
 from ..base.files import keep
-from ..base.safetensors_stream import SafetensorsReader
+from ..base.safetensors_stream import SafetensorsReader, SafetensorsWriter, TensorEntry
 from ..model.moe import expert_views
 from .quant import BITS, FORMAT_VERSION, QuantizedExpert, QuantizedExperts, QuantizedMatrix, check_mode, quantize_matrix
 
@@ -67,23 +66,51 @@ def load_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path | None) -> Quant
     check_mode(mode)
     if mode == "none":
         raise SpecMoEError("draft_quant none has no quantized copies")
-    c = ckpt.config
     if cache_dir is None:
         return compute_quantized(ckpt, mode)
     path = cache_path(ckpt, mode, cache_dir)
     if path.is_file():
-        try:
-            reader = SafetensorsReader(path)  # read, not mapped: aligned, and no second copy in the resident set
-            q = QuantizedExperts.from_state_dict(mode, {n: reader.read(n) for n in reader.entries}, c.expert)
-            if set(q.layers) == set(c.moe_layer_ids):
-                return q
-        except Exception:  # noqa: BLE001 - a damaged or foreign cache file: recompute it
-            pass
+        q = _read_cached(ckpt, mode, path)
+        if q is not None:
+            return q
         warn(f"ignoring {path}: it is not this model's {mode} copies (damaged?); it will be rebuilt")
-    q = compute_quantized(ckpt, mode)
-    keep(path, lambda tmp: save_file(q.state_dict(), str(tmp), metadata={"mode": mode, "format": str(FORMAT_VERSION)}),
-         f"the {mode} copies of the experts")
-    return q
+    save_quantized(ckpt, mode, cache_dir)
+    q = _read_cached(ckpt, mode, path) if path.is_file() else None
+    return q if q is not None else compute_quantized(ckpt, mode)  # none kept (a read-only cache dir)
+
+
+def _read_cached(ckpt: Checkpoint, mode: str, path: Path) -> QuantizedExperts | None:
+    """The copies in `path`, or None where it is not this model's."""
+    c = ckpt.config
+    try:
+        reader = SafetensorsReader(path)  # read, not mapped: aligned, and no second copy in the resident set
+        q = QuantizedExperts.from_state_dict(mode, {n: reader.read(n) for n in reader.entries}, c.expert)
+        return q if set(q.layers) == set(c.moe_layer_ids) else None
+    except Exception:  # noqa: BLE001 - a damaged or foreign cache file: recompute it
+        return None
+
+
+def save_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path) -> None:
+    """Build the mode's cache file a block at a time: each block's copies are written as
+    they are made, so building holds one block's copies, not every expert's (which a run
+    that builds it while it holds its pool and draft would hold beyond its budget: int4
+    copies of the 4x widened demo model's 128 experts are 96 MiB, a quarter of its budget).
+    Where the file cannot be written it says so and leaves none."""
+    c = ckpt.config
+    layers = list(c.moe_layer_ids)
+    made = {layers[0]: compute_quantized(ckpt, mode, layers[:1]).state_dict()}  # its shapes are every block's
+    entries = [TensorEntry(f"{layer}.{name.split('.', 1)[1]}", t.dtype, tuple(t.shape))
+               for layer in layers for name, t in made[layers[0]].items()]
+
+    def write(tmp: Path) -> None:
+        writer = SafetensorsWriter(tmp, entries, {"mode": mode, "format": str(FORMAT_VERSION)})
+        for layer in layers:
+            block = made.pop(layer, None) or compute_quantized(ckpt, mode, [layer]).state_dict()
+            for name, t in block.items():
+                writer.write(name, t)
+        writer.close()
+
+    keep(cache_path(ckpt, mode, cache_dir), write, f"the {mode} copies of the experts")
 
 
 def quantize_all(ckpt: Checkpoint, keys, mode: str, cache_dir: Path | None,
