@@ -70,8 +70,8 @@ def test_pick_cost_grows_with_the_error_and_saturates():
     costs = [pick_cost(e) for e in (0.0, 0.01, 0.12, 0.45, 1.2, 3.0)]
     assert costs[0] == 0 and all(a < b for a, b in zip(costs, costs[1:]))
     assert costs[-1] < 1.0 and costs[-1] - costs[-2] < costs[-2] - costs[-3]  # saturating
-    # a substituted pick costs an order of magnitude more than an int2 one (error ratio 2.7)
-    assert pick_cost(1.2) / pick_cost(0.45) > 8
+    # a substituted pick costs several times an int2 one, more than their error ratio (2.7)
+    assert pick_cost(1.2) / pick_cost(0.45) > 4
 
 
 @pytest.mark.parametrize("budget", [0, 150, 300, 450, 700, 1000, 1600])

@@ -67,7 +67,7 @@ PRIOR_PICKS = 1.0
 # - power 1.5: demo 3.64 (8.99), translation 11.26 (265-296); a smaller scale (0.6: substitution
 #   saturated, int2 over int3 as measured on the demo model): demo 4.08 (9.93), translation 11.52
 #   (201-232); the measured costs themselves: demo 3.55 (8.91).
-ERROR_SCALE, ERROR_POWER = 1.1, 3
+ERROR_SCALE, ERROR_POWER = 1.1, 2
 # No 1-bit way: copies of each weight's sign times its group's mean |W| (half int2's bytes,
 # output error 0.77 on the demo model) were tried at 5 % of its expert bytes, held for the
 # rarely picked experts instead of substituting them. Tokens per step against int2 alone:
