@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from specmoe.bench.draft_memory import block_cost_table, pick_cost_table
+from specmoe.policies.specmoe.allocation import pick_cost
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pick_costs.py"
 
@@ -65,10 +66,12 @@ def test_the_tables_are_made_from_the_document():
     errors = {"full": 0.0, "int8": 0.01, "int4": 0.1, "int3": 0.2, "int2": 0.4, "substitute": 1.2}
     blocks = [{"layer": 0, "residual_share": 0.98, "weight": 3.5, "int2": 0.03, "substitute": 0.3},
               {"layer": 1, "residual_share": 0.2, "weight": 0.15, "int2": 0.01, "substitute": 0.1}]
+    # error_costs: what the engine's model said when the document was written; the table shows today's
     doc = {"costs": costs, "errors": errors, "error_costs": {w: e / 10 for w, e in errors.items()}, "blocks": blocks}
     rows = [line.strip("| ").split(" | ") for line in pick_cost_table([("demo", doc)]).splitlines()[2:]]
-    assert rows[3] == ["demo", "int2", "0.400", "0.00800", "2.00", "2.00"]
-    assert rows[4] == ["demo", "substitute", "1.200", "0.06000", "15.00", "6.00"]
+    model = {w: f"{pick_cost(e) / pick_cost(errors['int3']):.2f}" for w, e in errors.items()}
+    assert rows[3] == ["demo", "int2", "0.400", "0.00800", "2.00", model["int2"]] and model["int2"] != "2.00"
+    assert rows[4] == ["demo", "substitute", "1.200", "0.06000", "15.00", model["substitute"]]
     rows = [line.strip("| ").split(" | ") for line in block_cost_table([("demo", doc)]).splitlines()[2:]]
     assert rows == [["demo", "0", "0.980", "3.50", "0.03000", "1.50", "0.30000", "1.50"],
                     ["demo", "1", "0.200", "0.15", "0.01000", "0.50", "0.10000", "0.50"]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from ..experts.quant import BITS
+from ..policies.specmoe.allocation import pick_cost
 from .report import md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .tables import _f
@@ -258,11 +259,13 @@ def pick_cost_table(costs: list[tuple[str, dict]]) -> str:
     model of it (pick_cost of the relative output error), both as multiples of int3's."""
     rows = []
     for model, doc in costs:
-        c, e = doc["costs"], doc.get("error_costs")
+        c, errors = doc["costs"], doc.get("errors", {})
+        # the engine's model as it is now, not as it was when the document was written
+        e = {way: pick_cost(error) for way, error in errors.items()}
         for way in (*COPY_WAYS, "substitute"):
-            rows.append([model, way, _f(doc.get("errors", {}).get(way), "{:.3f}"), f"{c[way]:.5f}",
+            rows.append([model, way, _f(errors.get(way), "{:.3f}"), f"{c[way]:.5f}",
                          _f(c[way] / c["int3"] if c["int3"] else None, "{:.2f}"),
-                         _f(e[way] / e["int3"] if e and e["int3"] else None, "{:.2f}")])
+                         _f(e[way] / e["int3"] if e.get(way) is not None and e.get("int3") else None, "{:.2f}")])
     return md_table(["model", "way", "relative output error", "cost per pick (from acceptance)", "÷ int3's",
                      "error model ÷ int3's"], rows) + "\n"
 
@@ -356,11 +359,20 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "point's throughput against the ondemand of its own run). The allocator weighs each block's picks "
             "by the square of the block's share of the residual stream, measured on the first prefill (the last "
             "table below): the demo model's first MoE block writes 0.98 of the stream and the others about a "
-            "fifth, so where the draft is scarce it holds the better copies there (at 5 %: int4 and int3 in the "
-            "first block, int2 in the others, 63 of 128 experts substituted). Before it weighed blocks it held "
+            "fifth, so where the draft is scarce it holds the better copies there. Before it weighed blocks it held "
             "int2 copies of 72 experts and one int3 there, tying int2 alone (0.958-1.001x on three sets of 128 "
-            "prompts, B = 16) at 2.2-2.7 tokens per step. The demo and translation curves and the samples below "
-            "ran with the weights, and so did the real-size curve (half an hour a run here; B = 16 at 40 % and B = 64 "
+            "prompts, B = 16) at 2.2-2.7 tokens per step. It prices a pick by the square of its copy's relative "
+            "output error (saturating; a cube before, chosen again on training prompts once blocks were weighed: "
+            "the square fell short of the best single format at one of nine training points, the cube at three). "
+            "Where the draft is scarce the square holds more int3 copies and substitutes a few more experts (demo "
+            "model, 5 %, B = 16: int4 copies of 16 experts, int3 of 8 and int2 of 36, 68 substituted, where the "
+            "cube held 9, 8 and 48 and substituted 63; translation model, 5 %, B = 1: 19 int3, 9 int2 and 4 "
+            "substituted, where the cube held 4 int3 and 28 int2); where every expert gets at least an int4 copy "
+            "the two hold the same. The demo and translation curves, the samples below and the draft splits ran "
+            "again with the square. The real-size curve's points hold int4 and int8 copies (20 %) or full "
+            "experts and int8 copies (40 %): the allocator ran again alone at each with the square and held the "
+            "same copies, at the same tokens per step to the third decimal, so its runs stand. They ran with the "
+            "block weights (half an hour a run here; B = 16 at 40 % and B = 64 "
             "beside other benchmarks on this machine's two cores: their throughput against ondemand is noisier, their "
             "tokens per step are not; at B = 1 and 40 % int8 alone held every expert, as before the weights, and "
             "drafted 14.46 tokens per step against 15.67 then). Where the draft is scarce the ways come within a few "
