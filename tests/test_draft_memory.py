@@ -426,6 +426,20 @@ def test_the_curves_goal_table_compares_the_allocator_with_the_best_format_and_t
     assert (tmp_path / "c.png").stat().st_size > 10_000
 
 
+def test_a_point_short_on_the_curve_says_what_its_run_with_more_prompts_gave():
+    from specmoe.bench.draft_memory import draft_memory_goals
+
+    curve = _curve_doc(1, {(0.05, "allocated"): (3.9, 5.0), (0.05, "int3"): (4.4, 5.0),
+                           (0.1, "allocated"): (9.0, 5.0), (0.1, "int3"): (9.5, 5.0)})
+    sample = _curve_doc(1, {(0.05, "allocated"): (4.6, 5.0), (0.05, "int3"): (4.0, 5.0)})
+    sample["config"]["prompt_batches"] = 32
+    five, ten = [line.strip("| ").split(" | ") for line in draft_memory_goals([curve], {1: sample}).splitlines()[2:]]
+    assert five[7] == "no; 1.150x (int3) on 32 prompts (below)"
+    assert ten[7] == "no"  # the sample did not run at 10 %
+    other = [line.strip("| ").split(" | ") for line in draft_memory_goals([curve], {16: sample}).splitlines()[2:]]
+    assert other[0][7] == "no"  # another batch size's sample says nothing of this one
+
+
 def test_twice_the_papers_draft_above_gamma_plus_one_is_said_to_be_out_of_reach():
     from specmoe.bench.draft_memory import draft_memory_goals
 
