@@ -600,3 +600,21 @@ def test_each_requests_decode_tokens_and_steps_add_up_to_the_runs_tokens_per_ste
     assert sum(t for t, _ in per_request) == stats["generated_tokens"] - len(prompts)
     assert sum(t for t, _ in per_request) / sum(s for _, s in per_request) == pytest.approx(stats["tokens_per_step"])
     llm.close()
+
+
+def test_runs_made_again_say_whether_the_draft_held_the_same_copies():
+    from specmoe.bench.tables import same_holdings
+
+    def doc(*records):
+        return {"ablations": [{"ablation": "draft-memory", "records": [{"label": "ondemand", "tokens_per_step": 1.0},
+                                                                        *records]}]}
+
+    page = doc({"label": "allocated 20%", "draft_held": {"int8": 67, "int4": 61}, "tokens_per_step": 13.05},
+               {"label": "int8 20%", "draft_held": {"int8": 102, "substitute": 26}, "tokens_per_step": 9.9})
+    same = doc({"label": "allocated 20%", "draft_held": {"int4": 61, "int8": 67}, "tokens_per_step": 13.05})
+    moved = doc({"label": "allocated 20%", "draft_held": {"int4": 62, "int8": 66}, "tokens_per_step": 12.9},
+                {"label": "planner", "draft_held": {"int8": 128}, "tokens_per_step": 14.6})  # not on the page
+    rows = [line.strip("| ").split(" | ") for line in
+            same_holdings([("B = 1", page, same), ("B = 16", page, moved)]).splitlines()[2:]]
+    assert rows == [["B = 1", "allocated 20%", "int4 61, int8 67", "int4 61, int8 67", "yes", "13.050", "13.050"],
+                    ["B = 16", "allocated 20%", "int4 61, int8 67", "int4 62, int8 66", "no", "13.050", "12.900"]]

@@ -10,7 +10,7 @@ from ..experts.quant import BITS
 from ..policies.specmoe.allocation import pick_cost
 from .report import md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
-from .tables import _f
+from .tables import _f, same_holdings
 
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
 DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"
@@ -25,6 +25,10 @@ DRAFT_MEMORY_RUN_64 = "--repeats 1 --max-tokens 48 --prompt-batches 1 --threads 
 REAL_SIZE_POINTS = ((1, 20, 48, 4), (1, 40, 48, 4), (16, 20, 32, 1), (16, 40, 32, 1), (64, 20, 32, 1),
                     (64, 40, 32, 1))
 REAL_SIZE_WAYS = "allocated,int8,int4,paper"
+# The real-size points again with the allocator alone, once its pick cost became a square (a cube
+# before): where it holds what the curve's run held, the same tokens follow and that run stands.
+# A few minutes a point, against half an hour for the curve's.
+REAL_SIZE_AGAIN = "draft-memory-real-size-allocated"
 TRANSLATE = "--model specmoe-demo-translate --prompts-file benchmarks/prompts/translate_heldout.jsonl "
 # The scarce points again with more prompts: where the draft is scarce, the ways come within a few %
 # of each other, closer than one run's sampling error (at B = 1 the four prompts' winner among the
@@ -300,6 +304,17 @@ def block_cost_table(costs: list[tuple[str, dict]]) -> str:
                      "÷ blocks' mean", "substitute: cost per pick", "÷ blocks' mean"], rows) + "\n"
 
 
+def _real_size_run(stem: str, ways: str, smoke_ways: str, batch: int, share: int, tokens: int,
+                   prompt_batches: int) -> Run:
+    name = f"{stem}-{batch}-{share}.json"
+    return Run(name, f"{REAL_SIZE_MODEL} && specmoe bench --model {{out}}/real-size-k8-m16 --no-grid --ablation "
+               f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways {ways} --ablation-batch-size "
+               f"{batch} {ablation_run(tokens, prompt_batches)} --json {{out}}/{name}",
+               f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
+               f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways {smoke_ways} "
+               f"--ablation-batch-size {min(batch, 2)} {BENCH_SMOKE} --anchors none --json {{out}}/{name}")
+
+
 def draft_memory_section(docs: dict[str, dict]) -> str:
     """The goals per model and batch size, each way averaged over the batch sizes, and
     the curves' picture."""
@@ -321,6 +336,13 @@ def draft_memory_section(docs: dict[str, dict]) -> str:
             text += ("\n" + draft_memory_means(present) + "\n"
                      f"![{title}: tokens per step and throughput against draft memory](docs/{stem}.png)\n")
         parts.append(text)
+    again = [(f"B = {b}, {share} %", docs[page], docs[rerun]) for b, share, _, _ in REAL_SIZE_POINTS
+             if (page := f"draft-memory-real-size-{b}-{share}.json") in docs
+             and (rerun := f"{REAL_SIZE_AGAIN}-{b}-{share}.json") in docs]
+    if again:
+        parts.append("The real-size points again, the allocator alone, once it priced a pick by the square of its "
+                     "copy's error (the runs above ran with a cube): where it holds the same copies, the same "
+                     "tokens follow and those runs stand.\n\n" + same_holdings(again))
     samples = [(n, docs[n]) for n in (f"{stem}-{b}.json" for stem, _, b, *_ in SAMPLE_POINTS) if n in docs]
     if samples:
         parts.append("### The scarce points with more prompts\n\n"
@@ -386,9 +408,9 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
             "substituted, where the cube held 4 int3 and 28 int2); where every expert gets at least an int4 copy "
             "the two hold the same. The demo and translation curves, the samples below and the draft splits ran "
             "again with the square. The real-size curve's points hold int4 and int8 copies (20 %) or full "
-            "experts and int8 copies (40 %): the allocator ran again alone at each with the square and held the "
-            "same copies, at the same tokens per step to the third decimal, so its runs stand. They ran with the "
-            "block weights (half an hour a run here; B = 16 at 40 % and B = 64 "
+            "experts and int8 copies (40 %): the allocator ran again alone at each with the square (the table below "
+            "the real-size curve) and held the same copies, at the same tokens per step, so its runs stand. They "
+            "ran with the block weights (half an hour a run here; B = 16 at 40 % and B = 64 "
             "beside other benchmarks on this machine's two cores: their throughput against ondemand is noisier, their "
             "tokens per step are not; at B = 1 and 40 % int8 alone held every expert, as before the weights, and "
             "drafted 14.46 tokens per step against 15.67 then). Where the draft is scarce the ways come within a few "
@@ -406,16 +428,9 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                   for b, smoke, shares, run in ((1, 1, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 4"),
                                                 (16, 2, "5%,10%,20%,40%", DRAFT_MEMORY_RUN + " --prompt-batches 1"),
                                                 (64, 4, "10%,20%,40%", DRAFT_MEMORY_RUN_64)))
-            + tuple(Run(f"draft-memory-real-size-{b}-{share}.json", f"{REAL_SIZE_MODEL} && specmoe bench --model "
-                        f"{{out}}/real-size-k8-m16 --no-grid --ablation draft-memory --ablation-draft-memory {share}% "
-                        f"--ablation-draft-ways {REAL_SIZE_WAYS} --ablation-batch-size {b} "
-                        f"{ablation_run(tokens, batches)} "
-                        f"--json {{out}}/draft-memory-real-size-{b}-{share}.json",
-                        f"{REAL_SIZE_SMOKE_MODEL} && specmoe bench --model {{out}}/real-size-k2-m2 --no-grid --ablation "
-                        f"draft-memory --ablation-draft-memory {share}% --ablation-draft-ways allocated,int8 "
-                        f"--ablation-batch-size {min(b, 2)} {BENCH_SMOKE} --anchors none "
-                        f"--json {{out}}/draft-memory-real-size-{b}-{share}.json")
-                    for b, share, tokens, batches in REAL_SIZE_POINTS)
+            + tuple(_real_size_run(stem, ways, smoke_ways, *point) for point in REAL_SIZE_POINTS
+                    for stem, ways, smoke_ways in (("draft-memory-real-size", REAL_SIZE_WAYS, "allocated,int8"),
+                                                   (REAL_SIZE_AGAIN, "allocated", "allocated")))
             + tuple(Run(f"{stem}-{b}.json", f"specmoe bench {model}--no-grid --ablation draft-memory "
                         f"--ablation-draft-memory {shares} --ablation-draft-ways {ways} --ablation-batch-size {b} "
                         f"{ablation_run(tokens, batches)} --offload host --json {{out}}/{stem}-{b}.json",
