@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .report import _spread, md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
-from .tables import _f, same_holdings
+from .tables import _f, ablation_records, same_holdings
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
 # the real-size split again, once the allocator's pick cost became a square: the planner's choice
@@ -78,8 +78,7 @@ def _same_draft_spread(records: list[dict]) -> str:
 
 def _rounds_range(doc: dict, label: str) -> str:
     """The tokens per step of a record's rounds, least to most."""
-    record = next(r for e in doc["ablations"] for r in e["records"] if r["label"] == label)
-    rounds = record["over_repeats"]["tokens_per_step"]
+    rounds = ablation_records(doc)[label]["over_repeats"]["tokens_per_step"]
     return f"{rounds['min']:.3f} to {rounds['max']:.3f}"
 
 
