@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from specmoe.base.memory import anon_rss_bytes, host_bound
+from specmoe.experts.kernels import Shape, verdicts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout.jsonl"
@@ -108,6 +109,10 @@ def test_int4_copies_in_the_kernels_layout_grow_the_process_by_what_they_keep():
     kept 34 MiB and grew it by 76 to 86 MiB (every time), and the widened model's 128 copies
     grew a run by 260 to 480 MiB: the cached specmoe runs above went past their bound when
     they took int4 copies, in some runs only (the first run's heap decides how much)."""
+    # the conversion is torch's private CPU op: only where the engine would call it on this machine
+    fused, why = verdicts([Shape("int4", 1024, 1024, 128)]).popitem()[1]
+    if not fused:
+        pytest.skip(f"the int4 kernel is not used on this CPU: {why}")
     out = subprocess.run([sys.executable, "-c", CONVERT_COPIES], check=True, capture_output=True, text=True)
     grew, kept = map(int, out.stdout.split())
     assert grew <= kept + (16 << 20), f"grew {grew >> 20} MiB keeping {kept >> 20} MiB"
