@@ -603,7 +603,7 @@ def test_each_requests_decode_tokens_and_steps_add_up_to_the_runs_tokens_per_ste
 
 
 def test_runs_made_again_say_whether_the_draft_held_the_same_copies():
-    from specmoe.bench.tables import same_holdings
+    from specmoe.bench.rerun import same_holdings
 
     def doc(*records):
         return {"ablations": [{"ablation": "draft-memory", "records": [{"label": "ondemand", "tokens_per_step": 1.0},

@@ -10,7 +10,8 @@ from ..experts.quant import BITS
 from ..policies.specmoe.allocation import pick_cost
 from .report import md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
-from .tables import _f, same_holdings
+from .rerun import same_holdings
+from .tables import _f
 
 # 96 tokens: tokens per step from enough steps at the default gamma (32 gave 2-5 steps a sequence)
 DRAFT_MEMORY_RUN = "--repeats 1 --max-tokens 96 --threads 1 --anchors none"

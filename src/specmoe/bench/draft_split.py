@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .report import _spread, md_table
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
-from .tables import _f, ablation_records, same_holdings
+from .rerun import ablation_records, same_holdings
+from .tables import _f
 
 SPLIT_GOAL = 0.95  # the planner's tokens/s over the curve's best point
 # the real-size split again, once the allocator's pick cost became a square: the planner's choice
