@@ -425,4 +425,3 @@ def real_size_goals(grids: list[dict], paper: dict) -> str:
                      ["B", "default tok/s", "tok/step", "× ondemand", "paper's tok/s", "tok/step", "× ondemand"],
                      drafts) + "\n")
     return text
-
