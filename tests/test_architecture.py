@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "specmoe"
 LAYERS = [
     ["specmoe.base"],
     ["specmoe.costmodel"],
+    ["specmoe.kernels"],
     ["specmoe.model"],
     ["specmoe.experts"],
     ["specmoe.policies"],

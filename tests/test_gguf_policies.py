@@ -94,12 +94,14 @@ def test_blocks_in_different_encodings_read_and_offload_exactly(tmp_path):
     every policy the resident model's tokens, each blob read by the encodings its header names."""
     hf, path = make_gguf(tmp_path, "mixtral", "Q4_0", down_types={0: "Q8_0", 1: "Q5_1"})
     prompts = random_prompts(3, min_len=3, max_len=12, seed=6)
-    ref = LLM(model=str(path), **SHAPE)
-    quant = ref.engine.config.expert_quant
+    exact = LLM(model=str(path), dtype="float32", **SHAPE)  # the reference encoding
+    quant = exact.engine.config.expert_quant
     assert quant.uniform is None and quant.scheme == "Q4_0/Q8_0/Q5_1"
     want = reference_logprobs(reference_model("mixtral", str(hf), str(path)), prompts)
-    for got, w in zip(ref.score(prompts), want):
+    for got, w in zip(exact.score(prompts), want):
         assert (torch.as_tensor(got) - w).abs().max() <= 1e-4
+    exact.close()
+    ref = LLM(model=str(path), **SHAPE)  # the default: the blocks multiplied as stored
     ref.generate(prompts, GREEDY)
     for policy in ("ondemand", "specmoe"):
         llm = LLM(model=str(path), policy=policy, device_memory="60%", offload_dir=str(tmp_path), **SHAPE)

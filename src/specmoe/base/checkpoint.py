@@ -268,18 +268,17 @@ class Checkpoint:
     # --- tensors by role --------------------------------------------------------------
 
     def find(self, candidates: tuple[str, ...], **fmt) -> str | None:
-        for template in candidates:
-            name = template.format(**fmt)
-            if self.has(name):
-                return name
-        return None
+        """The first candidate name the checkpoint has, or None."""
+        return next((n for n in (t.format(**fmt) for t in candidates) if self.has(n)), None)
+
+    def candidates(self, role: str, layer: int | None = None) -> tuple[str, ...]:
+        if layer is None:
+            return tuple(t.format(prefix=self.prefix) for t in GLOBAL_TENSORS[role])
+        return tuple(self.layer_prefix(layer) + t for t in LAYER_TENSORS[role])
 
     def get(self, role: str, shape: tuple[int, ...], layer: int | None = None, required: bool = True):
         """The tensor playing `role` (in `layer`), checked against `shape`; None if optional and absent."""
-        if layer is None:
-            candidates = tuple(t.format(prefix=self.prefix) for t in GLOBAL_TENSORS[role])
-        else:
-            candidates = tuple(self.layer_prefix(layer) + t for t in LAYER_TENSORS[role])
+        candidates = self.candidates(role, layer)
         name = self.find(candidates)
         if name is None:
             if required:

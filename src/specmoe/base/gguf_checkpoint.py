@@ -83,6 +83,24 @@ class GGUFCheckpoint(Checkpoint):
             t = t.reshape(1, -1)
         return t
 
+    def stored_matrix(self, role: str, shape: tuple[int, ...], layer: int | None = None):
+        """(bytes, ggml type) of a 2-D tensor as the file stores it: None where it is absent,
+        transformed on reading (MLA's k_b / v_b, a reshaped gate) or not 2-D. llama.cpp's
+        q / k row order is undone on the rows' bytes (a row is whole blocks)."""
+        name = self.find(self.candidates(role, layer))
+        if name is None or self._transformed(name) or len(shape) != 2:
+            return None
+        g = self._gguf(name)
+        t = self.file.info(g)
+        if tuple(t.shape) != tuple(shape):
+            return None
+        raw = self.file.read(g)
+        if self.arch == "llama" and g.endswith(("attn_q.weight", "attn_k.weight")):
+            a = self.config.attention
+            rows = raw.view(shape[0], -1)
+            raw = rope_to_half(rows, a.num_heads if g.endswith("attn_q.weight") else a.num_kv_heads).reshape(-1)
+        return raw, t.type_name
+
     # --- routed experts -----------------------------------------------------------------------------
 
     def _expert_quant(self, config: ModelConfig) -> GGUFExpertQuant:

@@ -10,7 +10,6 @@ which hands back the ExpertBackend that runs the pass's MoE blocks.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,8 @@ from ..base.errors import SpecMoEError
 from ..base.memory import release_free_memory
 from ..experts.budget import DeviceBudget
 from ..experts.formats import expert_format
+from ..kernels import blockdot
+from ..kernels.cpu import usable_cores
 from ..model.seq2seq import EncoderDecoderTransformer
 from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
@@ -114,21 +115,22 @@ class Engine:
         options.check_model(self.config)
         self.device = resolve_device(options.device)
         if self.device.type == "cpu":
-            # Small per-expert matmuls gain little from more threads, and a free core keeps
-            # the transfer thread's reads and copies off the compute path.
-            torch.set_num_threads(options.threads or max(1, (os.cpu_count() or 2) // 2))
+            # every core this process may use, as llama.cpp runs by default (kernels/cpu.py)
+            torch.set_num_threads(options.threads or usable_cores())
+            blockdot.set_threads(torch.get_num_threads())
         self.dtype = resolve_dtype(options.dtype, self.checkpoint, self.device)
+        self.as_stored = blockdot.as_stored(options.dtype, self.device)
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.max_model_len = min(
             options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
         )
         self.draft_dense = draft_dense_dtype(options, self.config, self.device, self.dtype)
-        weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense)
+        weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense, self.as_stored)
         # windowed layers keep a ring of their window plus the drafts a step may roll back
         rollback = max(options.gamma, MAX_GAMMA)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
-        slot_bytes = expert_format(self.config, self.dtype, self.device).slot_bytes  # a quantized expert: its blob
+        slot_bytes = expert_format(self.config, self.dtype, self.device, as_stored=self.as_stored).slot_bytes  # a quantized expert: its blob
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)

@@ -180,11 +180,12 @@ class QuantizedFormat(ExpertFormat):
 
 
 def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
-                  checkpoint_dtype: torch.dtype | None = None) -> ExpertFormat:
+                  checkpoint_dtype: torch.dtype | None = None, as_stored: bool = False) -> ExpertFormat:
     """How this model's experts are held: the checkpoint's quantized blobs, else float
-    buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout."""
+    buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout;
+    `as_stored`: a GGUF expert is multiplied in its blocks (kernels/blockdot.py)."""
     if config.expert_quant is not None and config.expert_quant.source == "gguf":  # a GGUF file's own encoding
-        return GGUFFormat(config.expert, config.expert_quant)
+        return GGUFFormat(config.expert, config.expert_quant, as_stored)
     if config.expert_quant is not None:
         return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
     return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype))

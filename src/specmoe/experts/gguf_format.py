@@ -1,6 +1,9 @@
 """A GGUF file's routed expert, kept in the file's encoding (Q8_0, Q4_K, MXFP4, ...): the
 blob of base/gguf_layout.py is what the tiers store, a fetch moves and a pool slot holds.
-Computing the expert dequantizes one matrix at a time (gate, up, then down) to the compute
+Computing the expert multiplies each matrix in its blocks where `as_stored` (the default
+encoding on the CPU: kernels/blockdot.py, activations rounded to 8 bits per block of 32 as
+llama.cpp does); otherwise (`--dtype float32`, the reference, or a type the kernels do
+not compute) it dequantizes one matrix at a time (gate, up, then down) to the compute
 dtype where it runs (base/gguf_quants.py, vectorized per block type) and multiplies: the
 scratch is one matrix, as for the other quantized formats (formats.QuantizedFormat).
 
@@ -18,6 +21,7 @@ from ..base.errors import SpecMoEError
 from ..base.gguf_layout import GGUFExpertQuant
 from ..base.gguf_quants import TYPE_NAMES, dequantize, native
 from ..base.specs import ExpertSpec
+from ..kernels import blockdot
 from ..model.moe import expert_forward
 
 
@@ -27,15 +31,22 @@ class GGUFFormat:
     converts = False  # a slot holds the blob as stored
     kernels: dict[str, str] = {}
 
-    def __init__(self, spec: ExpertSpec, quant: GGUFExpertQuant):
+    def __init__(self, spec: ExpertSpec, quant: GGUFExpertQuant, as_stored: bool = False):
         self.spec, self.quant, self.numel = spec, quant, quant.nbytes
         self.name = f"gguf-{quant.scheme.replace('/', '-')}"
         self.uniform = quant.uniform  # None: each blob's header says how it is encoded
         self._sections = {t: quant.sections(t) for t in quant.combos}
+        self.as_stored = as_stored
+        kernels = {}
         for combo in quant.combos:
             for t in combo:
-                if not native(t):  # dequantized through the gguf package, on the CPU (slow, but exact)
-                    self.kernels = {**self.kernels, f"gguf {t}": "dequantized by the gguf package on the CPU"}
+                if as_stored and blockdot.computes(t):
+                    kernels[f"gguf {t}"] = f"as stored: {blockdot.library().describe()}"
+                elif not native(t):  # dequantized through the gguf package, on the CPU (slow, but exact)
+                    kernels[f"gguf {t}"] = "dequantized by the gguf package on the CPU"
+                else:
+                    kernels[f"gguf {t}"] = "dequantized per call" + ("" if as_stored else " (--dtype float32: the reference)")
+        self.kernels = kernels
 
     @property
     def nbytes(self) -> int:
@@ -73,15 +84,25 @@ class GGUFFormat:
         sec = self._sections[types]
         D, I = self.spec.hidden, self.spec.inter
 
-        def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor:
             offset, n = sec[name]
-            return dequantize(stored[offset:offset + n], type_name, rows, cols, x.dtype)
+            return stored[offset:offset + n]
+
+        def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
+            return dequantize(raw(name), type_name, rows, cols, x.dtype)
 
         def linear_in(t: torch.Tensor) -> torch.Tensor:  # [T, 2I]: gate's outputs, then up's
+            if self._blocks(types[0], t) and self._blocks(types[1], t):  # t quantized once for both
+                h, tq = torch.empty(t.shape[0], 2 * I), blockdot.quantize(t)
+                blockdot.matmul_q(tq, raw("gate"), types[0], I, out=h[:, :I])
+                blockdot.matmul_q(tq, raw("up"), types[1], I, out=h[:, I:])
+                return h
             gate = F.linear(t, matrix("gate", types[0], I, D))
             return torch.cat([gate, F.linear(t, matrix("up", types[1], I, D))], dim=-1)
 
         def linear_out(t: torch.Tensor) -> torch.Tensor:
+            if self._blocks(types[2], t):
+                return blockdot.matmul(t, raw("down"), types[2], D)
             return F.linear(t, matrix("down", types[2], D, I))
 
         b_in = b_out = None
@@ -90,6 +111,11 @@ class GGUFFormat:
             b_in = stored[o_in:o_in + n_in].view(torch.float32).to(x.dtype)
             b_out = stored[o_out:o_out + n_out].view(torch.float32).to(x.dtype)
         return expert_forward(self.spec, x, linear_in, linear_out, b_in, b_out)
+
+    def _blocks(self, type_name: str, x: torch.Tensor) -> bool:
+        """Whether this matrix is multiplied in its blocks: asked for, a type the kernels
+        compute, float32 activations on the CPU."""
+        return self.as_stored and x.dtype == torch.float32 and x.device.type == "cpu" and blockdot.computes(type_name)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         """One matrix dequantized: its float32 values (scaled in place) and, computing in

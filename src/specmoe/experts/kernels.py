@@ -26,7 +26,6 @@ fused kernel off.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -34,7 +33,6 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ import torch
 from ..base.errors import SpecMoEError, warn
 from ..base.memory import release_free_memory
 from ..base.paths import read_json, write_json
+from ..kernels.cpu import cpu_id
 
 ALIGN = 64  # bytes: an AVX-512 register; the int8 kernel crashed at offsets 1-8, not at 16 or 32
 TOLERANCE = 1e-2  # relative L2 error: bfloat16 activations give about 3e-3; garbage gives 0.3 and up
@@ -125,22 +124,7 @@ def _static_reason(shape: Shape, device) -> str | None:
 
 def machine() -> str:
     """What a verdict holds for: torch's build, the CPU (model and instruction-set flags), threads."""
-    return f"torch {torch.__version__}, {platform.machine()}, {_cpu()}, {torch.get_num_threads()} threads"
-
-
-@lru_cache(maxsize=1)
-def _cpu() -> str:
-    """The CPU's model name and a digest of its flags (read once: /proc/cpuinfo is long on big machines)."""
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            info.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
-    model = info.get("model name") or platform.processor() or "unknown CPU"
-    flags = " ".join(sorted((info.get("flags") or info.get("Features") or "").split()))
-    return f"{model}, flags {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    return f"torch {torch.__version__}, {platform.machine()}, {cpu_id()}, {torch.get_num_threads()} threads"
 
 
 def _well_formed(data: dict) -> bool:

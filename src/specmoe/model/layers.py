@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base.specs import ExpertSpec
+from ..kernels.packed import PackedMatrix
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -17,12 +18,22 @@ def as_float32(t: torch.Tensor) -> torch.Tensor:
     return as_dtype(t, torch.float32)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, draft: bool = False) -> torch.Tensor:
+def embedding(tokens: torch.Tensor, table: torch.Tensor | PackedMatrix) -> torch.Tensor:
+    """Rows `tokens` of an embedding table (a packed one dequantizes only those rows)."""
+    return table.take(tokens) if isinstance(table, PackedMatrix) else F.embedding(tokens, table)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | PackedMatrix, b: torch.Tensor | None = None,
+           draft: bool = False) -> torch.Tensor:
     """x w^T + b for a dense weight that may be kept in another dtype than x (bfloat16
     beside float32 activations, ModelWeights.load's draft_dtype): widened to x's dtype, an exact copy of a
     bfloat16 checkpoint's values, so the product is the one float32 weights give; in a
     draft pass (`draft`) multiplied in bfloat16 instead, several times faster on CPUs with
-    bfloat16 matrix units, and only the draft's guesses round differently."""
+    bfloat16 matrix units, and only the draft's guesses round differently. A weight kept
+    in its GGUF encoding (`PackedMatrix`) goes through the block kernels."""
+    if isinstance(w, PackedMatrix):
+        y = w.linear(x).to(x.dtype)
+        return y if b is None else y + b
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
     if draft:
@@ -51,8 +62,8 @@ def norm(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x); gate_up [2I, D] holds the gate rows first."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down)
 
 
 def expert_activation(spec: ExpertSpec, h: torch.Tensor) -> torch.Tensor:

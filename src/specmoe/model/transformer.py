@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..base.model_config import ModelConfig
 from .attention import ATTENTION
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
-from .layers import as_float32, linear, norm, swiglu
+from .layers import as_float32, embedding, linear, norm, swiglu
 from .moe import ExpertBackend, Routing, expert_forward
 from .rope import RotaryTable
 from .routers import route
@@ -54,7 +54,7 @@ class MoETransformer:
         c = self.config
         cache.reserve(batch.kv_len)
         rope = self.rotary.rotation(batch.positions, self.dtype)
-        h = F.embedding(tokens, self.weights.embed)  # [T, D]
+        h = embedding(tokens, self.weights.embed).to(self.dtype)  # [T, D]
         for i, lw in enumerate(self.weights.layers):
             x = self.norm(h, lw.attn_norm, lw.attn_norm_bias)
             h = h + self.attention(c, i, lw, x, batch, cache, rope if c.rope_layers[i] else None)
@@ -77,7 +77,7 @@ class MoETransformer:
         if lw.shared_gate_up is not None:  # always on the device: never routed, never fetched
             shared = swiglu(x, lw.shared_gate_up, lw.shared_down)
             if lw.shared_expert_gate is not None:  # Qwen2-MoE gates it per token
-                shared = torch.sigmoid(F.linear(x, lw.shared_expert_gate)) * shared
+                shared = torch.sigmoid(linear(x, lw.shared_expert_gate)) * shared
             out = out + shared
         return out
 
@@ -87,8 +87,8 @@ def dense_mlp(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.T
     the experts' activation / fc2 with biases."""
     if config.expert.gated:
         return swiglu(x, lw.dense_gate_up, lw.dense_down)
-    return expert_forward(config.expert, x, lambda t: F.linear(t, lw.dense_gate_up),
-                          lambda t: F.linear(t, lw.dense_down), lw.dense_in_bias, lw.dense_out_bias)
+    return expert_forward(config.expert, x, lambda t: linear(t, lw.dense_gate_up),
+                          lambda t: linear(t, lw.dense_down), lw.dense_in_bias, lw.dense_out_bias)
 
 
 def route_block(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> Routing:

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from ..base.checkpoint import Checkpoint
+from ..base.gguf_checkpoint import GGUFCheckpoint
+from ..kernels import blockdot
+from ..kernels.packed import PackedMatrix
 
 Tensor = torch.Tensor | None
 
@@ -79,16 +82,22 @@ class ModelWeights:
     encoder_embed: Tensor = None  # the encoder's token embedding (NLLB: the same `shared` matrix)
 
     def tensors(self):
-        yield from (t for t in (self.embed, self.final_norm, self.final_norm_bias, self.lm_head_bias,
-                                self.encoder_norm, self.encoder_norm_bias) if t is not None)
+        """Every tensor held (a packed matrix's bytes, part by part)."""
+        held = [self.embed, self.final_norm, self.final_norm_bias, self.lm_head_bias, self.encoder_norm,
+                self.encoder_norm_bias]
         if self.lm_head is not self.embed:
-            yield self.lm_head
+            held.append(self.lm_head)
         if self.encoder_embed is not None and self.encoder_embed is not self.embed:
-            yield self.encoder_embed
+            held.append(self.encoder_embed)
         for layer in self.layers:
-            yield from (t for t in vars(layer).values() if isinstance(t, torch.Tensor))
+            held += list(vars(layer).values())
             if layer.cross is not None:
-                yield from (t for t in vars(layer.cross).values() if t is not None)
+                held += list(vars(layer.cross).values())
+        for t in held:
+            if isinstance(t, torch.Tensor):
+                yield t
+            elif isinstance(t, PackedMatrix):
+                yield from (p.raw for p in t.parts)
 
     @property
     def nbytes(self) -> int:
@@ -96,15 +105,17 @@ class ModelWeights:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-             draft_dtype: torch.dtype | None = None) -> ModelWeights:
+             draft_dtype: torch.dtype | None = None, as_stored: bool = False) -> ModelWeights:
         """`draft_dtype` (bfloat16): the attention projections and the LM head stay in it where
         the checkpoint stores them so (the draft multiplies them in it; exact passes widen them
-        to `dtype`, the very values loading in `dtype` gives: layers.linear)."""
+        to `dtype`, the very values loading in `dtype` gives: layers.linear). `as_stored`: a
+        GGUF file's matrices (embedding, attention, LM head, shared experts, dense MLPs) stay
+        in their blocks where the block kernels compute them (kernels/packed.py)."""
         c = ckpt.config
         D, V = c.hidden_size, c.vocab_size
-        loader = _Loader(ckpt, device, dtype, draft_dtype)
+        loader = _Loader(ckpt, device, dtype, draft_dtype, as_stored)
         layers = [loader.layer(i) for i in range(c.num_layers)]
-        embed = loader.get("embed", (V, D))
+        embed = loader.matrix("embed", (V, D))
         head = None if c.tie_word_embeddings else loader.dense("lm_head", (V, D), required=False)
         lm_head = embed if head is None else column_major(head)  # none in the file: the embedding is the head
         encoder = c.seq2seq is not None
@@ -120,21 +131,42 @@ class ModelWeights:
                    encoder_embed=encoder_embed)
 
 
-def column_major(w: torch.Tensor) -> torch.Tensor:
+def column_major(w: torch.Tensor | PackedMatrix) -> torch.Tensor | PackedMatrix:
     """w [out, in] as a view of [in, out] memory, for F.linear: the CPU's matmul then walks
     the outputs contiguously. Measured on this project's shapes (float32, one thread): a
     4096 x 256 LM head 2x faster at one row, attention's 512 x 256 projection 1.3x at 1
     to 16 rows and 1.1x at 176, never slower; the products differ from row-major ones
-    only in rounding."""
-    return w.t().contiguous().t()
+    only in rounding. A packed matrix stays as it is (its kernel walks rows)."""
+    return w if isinstance(w, PackedMatrix) else w.t().contiguous().t()
+
+
+def rows_of(parts: list, dtype: torch.dtype) -> torch.Tensor | PackedMatrix:
+    """The parts' rows in one matrix: packed where every part is, else a tensor (in the
+    compute dtype where the parts' dtypes differ)."""
+    if all(isinstance(p, PackedMatrix) for p in parts):
+        return PackedMatrix.cat(parts)
+    parts = [p.dequantize(dtype) if isinstance(p, PackedMatrix) else p for p in parts]
+    if len({p.dtype for p in parts}) > 1:  # one of them not stored in the draft dtype: all in the compute dtype
+        parts = [p.to(dtype) for p in parts]
+    return torch.cat(parts)
 
 
 class _Loader:
     """Reads one layer's tensors by role (base/checkpoint.py names them), on the device."""
 
-    def __init__(self, ckpt: Checkpoint, device, dtype, draft_dtype=None):
+    def __init__(self, ckpt: Checkpoint, device, dtype, draft_dtype=None, as_stored=False):
         self.ckpt, self.device, self.dtype, self.draft_dtype = ckpt, device, dtype, draft_dtype
+        self.as_stored = as_stored
         self.c = ckpt.config
+
+    def matrix(self, role, shape, layer=None, required=True, keep=None):
+        """A matrix the model multiplies (or looks rows up in): packed in the checkpoint's
+        blocks where `as_stored` and the block kernels compute its encoding, else `get`."""
+        as_stored = self.as_stored and isinstance(self.ckpt, GGUFCheckpoint)  # only GGUF files keep blocks
+        stored = self.ckpt.stored_matrix(role, shape, layer) if as_stored else None
+        if stored is not None and blockdot.computes(stored[1]):
+            return PackedMatrix.of(stored[0], stored[1], *shape)
+        return self.get(role, shape, layer, required, keep)
 
     def get(self, role, shape, layer=None, required=True, keep=None):
         """The tensor on the device in the compute dtype; in `keep` instead where the
@@ -147,13 +179,13 @@ class _Loader:
     def dense(self, role, shape, layer=None, required=True):
         """A dense matrix the draft multiplies: kept in `draft_dtype` where the checkpoint
         stores it so (widening it back is then exact)."""
-        return self.get(role, shape, layer, required, keep=self.draft_dtype)
+        return self.matrix(role, shape, layer, required, keep=self.draft_dtype)
 
     def pair(self, gate_role, up_role, down_role, inter, i):
         """A SwiGLU MLP as gate_up [2F, D] (gate rows first) and down [D, F]."""
         D = self.c.hidden_size
-        gate_up = torch.cat([self.get(gate_role, (inter, D), i), self.get(up_role, (inter, D), i)])
-        return gate_up, self.get(down_role, (D, inter), i)
+        gate_up = rows_of([self.matrix(gate_role, (inter, D), i), self.matrix(up_role, (inter, D), i)], self.dtype)
+        return gate_up, self.matrix(down_role, (D, inter), i)
 
     def layer(self, i: int) -> LayerWeights:
         c, D = self.c, self.c.hidden_size
@@ -194,9 +226,7 @@ class _Loader:
         a, D = self.c.attention, self.c.hidden_size
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         parts = [self.dense(role, (n, D), i) for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
-        if len({p.dtype for p in parts}) > 1:  # one of them not stored in the draft dtype: all in the compute dtype
-            parts = [p.to(self.dtype) for p in parts]
-        lw.qkv = column_major(torch.cat(parts))
+        lw.qkv = column_major(rows_of(parts, self.dtype))
         biases = [self.get(role + "_bias", (n,), i, required=False)
                   for role, n in (("q", q_out), ("k", kv_out), ("v", kv_out))]
         if any(b is not None for b in biases):  # a missing one adds zeros: x.w + 0 is x.w exactly

@@ -26,6 +26,7 @@ from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, ModelConfig
 from ..experts.budget import DeviceBudget
 from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, expert_format
+from ..kernels.blockdot import as_stored
 from ..model.moe import ExpertBackend, Routing
 
 PASS_KINDS = ("prefill", "decode", "draft", "verify")
@@ -47,7 +48,8 @@ class Runtime:
     @property
     def expert_format(self) -> ExpertFormat:
         """How experts are held and moved: the checkpoint's quantized blobs, or float buffers."""
-        return expert_format(self.config, self.dtype, self.device, self.checkpoint_expert_dtype)
+        return expert_format(self.config, self.dtype, self.device, self.checkpoint_expert_dtype,
+                             as_stored(self.options.dtype, self.device))
 
     @cached_property
     def checkpoint_expert_dtype(self) -> torch.dtype | None:

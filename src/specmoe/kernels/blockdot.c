@@ -1,0 +1,500 @@
+/* y = x W^T with W kept in its GGUF block encoding (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K, MXFP4): the weights are never widened to float in memory.
+ *
+ * specmoe compiles this file once per machine with the system's C compiler (-march=native,
+ * -ffp-contract=off) and loads it with ctypes (experts/blockdot.py); it needs nothing else.
+ *
+ * The math (one definition, two code paths that give the same bits):
+ *   - Activations: each row is quantized on its own to int8 in blocks of 32 values, one
+ *     float scale dx per block (dx = max|x| / 127), as llama.cpp's Q8_0. Kept per 16 values:
+ *     xs16 = dx and xsum16 = dx * (sum of the 16 codes).
+ *   - Weights: a row is unpacked 256 values at a time (a "chunk": one K-quant super-block,
+ *     or eight 32-value blocks) into unsigned 8-bit codes u and, per 16 values, a float
+ *     scale ws and offset wm, so that each weight is ws * u + wm. Every block type is one
+ *     unpacker into this form (a signed code q becomes u = q + c with wm = -c * ws).
+ *   - Dot product of one activation row and one weight row, in 16 float lanes: lane l of
+ *     vector i (i = 0..3, 64 values each) adds the exact integer sum of its 4 products
+ *     u * xq times ws * xs16 of its 16-value group (one fused multiply-add per chunk and
+ *     vector, in chunk order, each vector i into lanes of its own); a fifth set of 16 lanes
+ *     adds wm * xsum16. At the end the sets are added lane by lane, ((f0 + f1) + (f2 + f3))
+ *     + g, and the 16 lanes summed as a fixed tree.
+ * So an output element depends only on its own activation row and weight row, summed in
+ * one order whatever the number of rows in the call or the thread that computes it: the
+ * product is batch-invariant by construction, and the AVX-512 VNNI path (vpdpbusd) and the
+ * portable C path (SMK_PORTABLE, or a CPU without it) give identical results.
+ */
+#include <math.h>
+#include <pthread.h>
+#if defined(__F16C__) || defined(__SSSE3__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(SMK_PORTABLE)
+#include <immintrin.h>
+#define SMK_VNNI 1
+#else
+#define SMK_VNNI 0
+#endif
+
+#define CHUNK 256
+#define GROUPS (CHUNK / 16)
+
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
+       T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
+
+int smk_version(void) { return 1; }
+int smk_simd(void) { return SMK_VNNI; }
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);  /* exact, as below */
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000 | (man << 13);
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else {  /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* --- weights: one chunk of a row into codes u[256], ws[16], wm[16] --------------------------- */
+
+/* Bytes a block of the type takes and values it holds; 0 for an unknown type. */
+static int block_bytes(int type, int *values) {
+    *values = 32;
+    switch (type) {
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_MXFP4: return 17;
+    }
+    *values = 256;
+    switch (type) {
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    }
+    return 0;
+}
+
+static inline void put32(float *ws, float *wm, int g32, float s, float m) {
+    ws[2 * g32] = ws[2 * g32 + 1] = s;
+    wm[2 * g32] = wm[2 * g32 + 1] = m;
+}
+
+/* n bytes (a multiple of 8) -> their low nibbles at lo, their high nibbles at hi, eight
+ * bytes at a time (byte stores one by one cost more than the rest of the product). */
+static inline void nibbles(const uint8_t *q, int n, uint8_t *lo, uint8_t *hi) {
+    for (int k = 0; k < n; k += 8) {
+        uint64_t w;
+        memcpy(&w, q + k, 8);
+        uint64_t l = w & 0x0F0F0F0F0F0F0F0FULL, h = (w >> 4) & 0x0F0F0F0F0F0F0F0FULL;
+        memcpy(lo + k, &l, 8);
+        memcpy(hi + k, &h, 8);
+    }
+}
+
+/* Codes 0-15 -> table[code], 16 at a time where the CPU has a byte shuffle. */
+static inline void lookup16(const uint8_t *table, uint8_t *v) {
+#if defined(__SSSE3__)
+    __m128i t = _mm_loadu_si128((const __m128i *)table), c = _mm_loadu_si128((const __m128i *)v);
+    _mm_storeu_si128((__m128i *)v, _mm_shuffle_epi8(t, c));
+#else
+    for (int j = 0; j < 16; j++) v[j] = table[v[j]];
+#endif
+}
+
+/* 2^(e - 128): an e8m0 exponent halved, because the e2m1 table below is doubled. */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A 32-value block (legacy types) into u[32] and the scale and offset of its two groups. */
+static inline __attribute__((always_inline)) void unpack32(int type, const uint8_t *b, uint8_t *u, float *ws, float *wm, int g32) {
+    static const uint8_t e2m1[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  /* value + 12 */
+    float d;
+    uint32_t qh;
+    switch (type) {
+    case T_Q8_0:
+        d = f16(b);
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)(b[2 + j] ^ 0x80);  /* int8 q -> q + 128 */
+        put32(ws, wm, g32, d, -128.0f * d);
+        return;
+    case T_Q4_0:
+    case T_Q4_1:
+        d = f16(b);
+        nibbles(b + (type == T_Q4_0 ? 2 : 4), 16, u, u + 16);
+        put32(ws, wm, g32, d, type == T_Q4_0 ? -8.0f * d : f16(b + 2));
+        return;
+    case T_Q5_0:
+    case T_Q5_1: {
+        int at = type == T_Q5_0 ? 2 : 4;
+        d = f16(b);
+        memcpy(&qh, b + at, 4);
+        for (int j = 0; j < 16; j++) {
+            u[j] = (uint8_t)((b[at + 4 + j] & 0x0F) | (((qh >> j) & 1) << 4));
+            u[j + 16] = (uint8_t)((b[at + 4 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        }
+        put32(ws, wm, g32, d, type == T_Q5_0 ? -16.0f * d : f16(b + 2));
+        return;
+    }
+    case T_MXFP4:
+        d = e8m0_half(b[0]);
+        nibbles(b + 1, 16, u, u + 16);
+        lookup16(e2m1, u);
+        lookup16(e2m1, u + 16);
+        put32(ws, wm, g32, d, -12.0f * d);
+        return;
+    }
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* A K-quant super-block (256 values) into u[256], ws[16], wm[16]. */
+static inline __attribute__((always_inline)) void unpack256(int type, const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+    switch (type) {
+    case T_Q4_K:
+    case T_Q5_K: {
+        float d = f16(b), dmin = f16(b + 2);
+        const uint8_t *sc12 = b + 4, *qh = b + 16, *qs = b + (type == T_Q4_K ? 16 : 48);
+        for (int j = 0; j < 4; j++) {  /* 64 values: low nibbles of 32 bytes, then their high ones */
+            uint8_t *o = u + 64 * j;
+            const uint8_t *q = qs + 32 * j;
+            nibbles(q, 32, o, o + 32);
+            if (type == T_Q5_K)
+                for (int l = 0; l < 32; l++) {
+                    o[l] |= ((qh[l] >> (2 * j)) & 1) << 4;
+                    o[l + 32] |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+                }
+            for (int h = 0; h < 2; h++) {
+                int sc, m;
+                scale_min_k4(2 * j + h, sc12, &sc, &m);
+                put32(ws, wm, 2 * j + h, d * (float)sc, -(dmin * (float)m));
+            }
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = f16(b + 208);
+        for (int n = 0; n < 2; n++) {  /* halves of 128 values */
+            uint8_t *o = u + 128 * n;
+            const uint8_t *l4 = ql + 64 * n, *h2 = qh + 32 * n;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (uint8_t)((l4[l] & 0xF) | ((h2[l] & 3) << 4));
+                o[l + 32] = (uint8_t)((l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4));
+                o[l + 64] = (uint8_t)((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4));
+                o[l + 96] = (uint8_t)((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4));
+            }
+        }
+        for (int g = 0; g < GROUPS; g++) {
+            ws[g] = d * (float)sc[g];
+            wm[g] = -32.0f * ws[g];
+        }
+        return;
+    }
+    case T_Q2_K: {
+        const uint8_t *s = b, *qs = b + 16;
+        float d = f16(b + 80), dmin = f16(b + 82);
+        for (int n = 0; n < 2; n++)
+            for (int f = 0; f < 4; f++)  /* field f of 32 bytes: 32 values */
+                for (int l = 0; l < 32; l++) u[128 * n + 32 * f + l] = (qs[32 * n + l] >> (2 * f)) & 3;
+        for (int g = 0; g < GROUPS; g++) {
+            ws[g] = d * (float)(s[g] & 0xF);
+            wm[g] = -(dmin * (float)(s[g] >> 4));
+        }
+        return;
+    }
+    case T_Q3_K: {
+        const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+        float d = f16(b + 108);
+        for (int n = 0; n < 2; n++)
+            for (int f = 0; f < 4; f++)
+                for (int l = 0; l < 32; l++) {
+                    int v = 128 * n + 32 * f + l;
+                    u[v] = (uint8_t)(((qs[32 * n + l] >> (2 * f)) & 3) | (((hm[l] >> (4 * n + f)) & 1) << 2));
+                }
+        for (int g = 0; g < GROUPS; g++) {
+            int low = g < 8 ? s[g] & 0xF : s[g - 8] >> 4, top = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+            ws[g] = d * (float)((low | (top << 4)) - 32);
+            wm[g] = -4.0f * ws[g];
+        }
+        return;
+    }
+    }
+}
+
+/* Row `row` of W, all of its chunks: u[Kp], ws[Kp/16], wm[Kp/16] (zeros past K). The
+ * switch is outside the loop over blocks, so each type's loop is compiled on its own. */
+#define EACH_BLOCK(TYPE, VALUES, BYTES, CALL) \
+    case TYPE:                                \
+        for (int64_t i = 0; i < blocks; i++) {  \
+            const uint8_t *b = row + i * (BYTES); \
+            CALL;                                \
+        }                                        \
+        break;
+
+static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint8_t *u, float *ws, float *wm) {
+    int values, bytes = block_bytes(type, &values);
+    int64_t blocks = K / values;
+    (void)bytes;
+    memset(u + K, 0, (size_t)(Kp - K));
+    for (int64_t g = K / 16; g < Kp / 16; g++) ws[g] = wm[g] = 0.0f;
+    switch (type) {
+        EACH_BLOCK(T_Q8_0, 32, 34, unpack32(T_Q8_0, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_Q4_0, 32, 18, unpack32(T_Q4_0, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_Q4_1, 32, 20, unpack32(T_Q4_1, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_Q5_0, 32, 22, unpack32(T_Q5_0, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_Q5_1, 32, 24, unpack32(T_Q5_1, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_MXFP4, 32, 17, unpack32(T_MXFP4, b, u + 32 * i, ws, wm, (int)i))
+        EACH_BLOCK(T_Q2_K, 256, 84, unpack256(T_Q2_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+        EACH_BLOCK(T_Q3_K, 256, 110, unpack256(T_Q3_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+        EACH_BLOCK(T_Q4_K, 256, 144, unpack256(T_Q4_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+        EACH_BLOCK(T_Q5_K, 256, 176, unpack256(T_Q5_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+        EACH_BLOCK(T_Q6_K, 256, 210, unpack256(T_Q6_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+    }
+}
+
+/* --- activations: each row to int8 codes in blocks of 32 --------------------------------------- */
+
+/* One row's quantized activations: codes q[Kp], then xs16[Kp/16] and xsum16[Kp/16]. */
+int64_t smk_act_bytes(int64_t K) {
+    int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+    return Kp + 2 * (Kp / 16) * (int64_t)sizeof(float);
+}
+
+static void quantize_row(const float *x, int64_t K, int64_t Kp, uint8_t *out) {
+    int8_t *q = (int8_t *)out;
+    float *xs = (float *)(out + Kp), *xsum = xs + Kp / 16;
+    for (int64_t b = 0; b < Kp / 32; b++) {
+        float amax = 0.0f, d, id;
+        int64_t n = b * 32 < K ? (K - b * 32 < 32 ? K - b * 32 : 32) : 0;
+        for (int64_t j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+        d = amax / 127.0f;
+        id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int64_t j = 0; j < 32; j++) q[b * 32 + j] = j < n ? (int8_t)nearbyintf(x[b * 32 + j] * id) : 0;
+        for (int h = 0; h < 2; h++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += q[b * 32 + 16 * h + j];
+            xs[2 * b + h] = d;
+            xsum[2 * b + h] = d * (float)s;
+        }
+    }
+}
+
+/* --- the dot products of one weight row with every activation row -------------------------- */
+
+static float tree16(const float *v) {
+    float t8[8], t4[4];
+    for (int l = 0; l < 8; l++) t8[l] = v[l] + v[l + 8];
+    for (int l = 0; l < 4; l++) t4[l] = t8[l] + t8[l + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+static void row_dots_portable(const uint8_t *u, const float *ws, const float *wm, int64_t Kp, const uint8_t *xq,
+                              int64_t act, int64_t M, float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *a = xq + m * act;
+        const int8_t *q = (const int8_t *)a;
+        const float *xs = (const float *)(a + Kp), *xsum = xs + Kp / 16;
+        float f[4][16] = {{0}}, g[16] = {0}, v[16];
+        for (int64_t c = 0; c < Kp / CHUNK; c++) {
+            float s[16];
+            for (int l = 0; l < 16; l++) s[l] = ws[16 * c + l] * xs[16 * c + l];
+            for (int i = 0; i < 4; i++)
+                for (int l = 0; l < 16; l++) {
+                    int64_t at = CHUNK * c + 64 * i + 4 * l;
+                    int32_t p = 0;
+                    for (int t = 0; t < 4; t++) p += (int32_t)u[at + t] * (int32_t)q[at + t];
+                    f[i][l] = fmaf((float)p, s[4 * i + l / 4], f[i][l]);
+                }
+            for (int l = 0; l < 16; l++) g[l] = fmaf(wm[16 * c + l], xsum[16 * c + l], g[l]);
+        }
+        for (int l = 0; l < 16; l++) v[l] = ((f[0][l] + f[1][l]) + (f[2][l] + f[3][l])) + g[l];
+        y[m * ldy] = tree16(v);
+    }
+}
+
+#if SMK_VNNI
+static float tree16_avx512(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  /* (b0 + b2, b1 + b3) */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, int64_t Kp, const uint8_t *xq,
+                          int64_t act, int64_t M, float *y, int64_t ldy) {
+    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i idx[4];
+    for (int i = 0; i < 4; i++) idx[i] = _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * i));
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *a = xq + m * act;
+        const float *xs = (const float *)(a + Kp), *xsum = xs + Kp / 16;
+        __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        __m512 g = _mm512_setzero_ps();
+        for (int64_t c = 0; c < Kp / CHUNK; c++) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(ws + 16 * c), _mm512_loadu_ps(xs + 16 * c));
+            for (int i = 0; i < 4; i++) {
+                __m512i w = _mm512_loadu_si512((const void *)(u + CHUNK * c + 64 * i));
+                __m512i x = _mm512_loadu_si512((const void *)(a + CHUNK * c + 64 * i));
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[i], s), f[i]);
+            }
+            g = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 16 * c), _mm512_loadu_ps(xsum + 16 * c), g);
+        }
+        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3])), g);
+        y[m * ldy] = tree16_avx512(v);
+    }
+}
+#endif
+
+/* --- threads: a small pool, each part a contiguous range of weight rows ----------------------- */
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t N, K, Kp, row_bytes, M, act, ldy;
+    const uint8_t *xq;
+    float *y;
+    int simd;
+} Job;
+
+static void run_rows(const Job *j, int64_t n0, int64_t n1) {
+    size_t scratch = (size_t)j->Kp + 2 * (size_t)(j->Kp / 16) * sizeof(float);
+    uint8_t *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
+    if (!buf) return;
+    float *ws = (float *)(buf + j->Kp), *wm = ws + j->Kp / 16;
+    for (int64_t n = n0; n < n1; n++) {
+        unpack_row(j->type, j->w + n * j->row_bytes, j->K, j->Kp, buf, ws, wm);
+#if SMK_VNNI
+        if (j->simd) {
+            row_dots_vnni(buf, ws, wm, j->Kp, j->xq, j->act, j->M, j->y + n, j->ldy);
+            continue;
+        }
+#endif
+        row_dots_portable(buf, ws, wm, j->Kp, j->xq, j->act, j->M, j->y + n, j->ldy);
+    }
+    free(buf);
+}
+
+#define MAX_THREADS 64
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    pthread_t th[MAX_THREADS];
+    int threads, started, pending;
+    long generation;
+    pid_t pid;
+    const Job *job;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
+static int wanted_threads = 1;
+
+static void part(const Job *j, int k, int parts) {
+    int64_t n0 = j->N * k / parts, n1 = j->N * (k + 1) / parts;
+    if (n1 > n0) run_rows(j, n0, n1);
+}
+
+static void *worker(void *arg) {
+    int k = (int)(intptr_t)arg;
+    long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.mu);
+        while (pool.generation == seen) pthread_cond_wait(&pool.go, &pool.mu);
+        seen = pool.generation;
+        const Job *j = pool.job;
+        int parts = pool.threads;
+        pthread_mutex_unlock(&pool.mu);
+        if (k >= parts) continue;  /* not needed this time (a product with few rows) */
+        part(j, k, parts);
+        pthread_mutex_lock(&pool.mu);
+        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
+        pthread_mutex_unlock(&pool.mu);
+    }
+    return NULL;
+}
+
+/* Threads the products use (the caller's thread is one of them). */
+void smk_set_threads(int n) { wanted_threads = n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : n); }
+
+static int start_pool(void) {
+    if (pool.pid != getpid()) {  /* first use, or a forked child: its threads did not come along */
+        pool.started = 0;
+        pool.pid = getpid();
+    }
+    while (pool.started < wanted_threads - 1) {
+        if (pthread_create(&pool.th[pool.started], NULL, worker, (void *)(intptr_t)(pool.started + 1))) break;
+        pthread_detach(pool.th[pool.started]);
+        pool.started++;
+    }
+    return pool.started + 1 < wanted_threads ? pool.started + 1 : wanted_threads;
+}
+
+static void run(const Job *j) {
+    int64_t work = j->N * j->Kp * (j->M < 4 ? 4 : j->M);
+    int parts = work < (1 << 18) ? 1 : start_pool();  /* a tiny product is not worth waking anyone */
+    if (parts > j->N) parts = (int)j->N;
+    if (parts <= 1) {
+        part(j, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    pool.job = j;
+    pool.threads = parts;
+    pool.pending = parts - 1;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
+    part(j, 0, parts);
+    pthread_mutex_lock(&pool.mu);
+    while (pool.pending) pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+}
+
+/* --- the entry points ------------------------------------------------------------------------- */
+
+/* x [M, K] float32 (rows ldx apart) -> M rows of smk_act_bytes(K) at xq. */
+void smk_quantize(const float *x, int64_t M, int64_t K, int64_t ldx, uint8_t *xq) {
+    int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK, act = smk_act_bytes(K);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, Kp, xq + m * act);
+}
+
+/* y[m, n] (rows ldy apart) = activation row m . weight row n, for W [N, K] of `type`,
+ * rows row_bytes apart. simd 0 takes the portable path. Returns 0, or -1 for a type or
+ * width this file does not compute. */
+int smk_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const uint8_t *xq, int64_t M,
+               float *y, int64_t ldy, int simd) {
+    int values, bytes = block_bytes(type, &values);
+    if (!bytes || K % values || row_bytes < K / values * bytes) return -1;
+    Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, row_bytes, M, smk_act_bytes(K), ldy, xq, y,
+             simd && SMK_VNNI};
+    run(&j);
+    return 0;
+}

@@ -1,0 +1,303 @@
+"""Matrices multiplied in their GGUF block encoding, by blockdot.c: the weights stay as the
+file stores them (Q4_K, Q6_K, Q8_0, ...), and each activation row is quantized to 8 bits
+in blocks of 32 as llama.cpp does before its own products.
+
+blockdot.c is compiled once per machine by the system's C compiler (`cc`, `-O3
+-march=native`) into the cache dir, keyed by the source, the compiler and the CPU, and
+loaded with ctypes: nothing to install beyond a C compiler, which pip's own builds need
+anyway. Before a build is used, a child process (`python -m specmoe.kernels.blockdot
+check`) multiplies random blocks of every type through it, on both of its paths (AVX-512
+VNNI and portable C), and compares with the blocks dequantized by base/gguf_quants.py and
+multiplied in float64: a build that crashes there, or misses, is never loaded into the
+engine, and the matrices take the dequantizing path with a one-line warning
+(`available()` says why). `SPECMOE_BLOCKDOT=off` turns it off; `=portable` keeps the
+portable C path only.
+
+Batch invariance (blockdot.c's header): an output element depends only on its own
+activation row and weight row, so a row's product is the same bits alone or among 1088.
+
+Shapes: M rows of activations, K inputs, N outputs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..base.errors import SpecMoEError, warn
+from ..base.gguf_quants import BLOCKS, TYPE_IDS, dequantize, row_bytes
+from ..base.paths import cache_dir
+from .cpu import cpu_id
+
+SOURCE = Path(__file__).with_name("blockdot.c")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+ENV = "SPECMOE_BLOCKDOT"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+CHECK_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Library:
+    """The loaded build, or why there is none (`lib` None)."""
+
+    lib: ctypes.CDLL | None
+    why: str
+    simd: bool = False
+
+    def describe(self) -> str:
+        return self.why
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_path(portable: bool = False) -> Path | None:
+    cc = _compiler()
+    if cc is None:
+        return None
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(json.dumps([SOURCE.read_text(), version, FLAGS, cpu_id(), portable]).encode()).hexdigest()
+    return cache_dir() / "kernels" / f"blockdot-{key[:16]}.so"
+
+
+def build(portable: bool = False) -> Path:
+    """The shared library for this machine, compiled now unless the cache dir has it."""
+    out = build_path(portable)
+    if out is None:
+        raise SpecMoEError("no C compiler (cc or gcc) found to build specmoe's block kernels; install one "
+                           "(apt-get install gcc) or set SPECMOE_BLOCKDOT=off")
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [_compiler(), *FLAGS, *(["-DSMK_PORTABLE"] if portable else []), str(SOURCE), "-o", str(tmp), "-lm"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode:
+        tmp.unlink(missing_ok=True)
+        last = (run.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SpecMoEError(f"compiling specmoe's block kernels failed ({last[:200]}); set SPECMOE_BLOCKDOT=off")
+    os.replace(tmp, out)
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.smk_act_bytes.argtypes, lib.smk_act_bytes.restype = [i64], i64
+    lib.smk_quantize.argtypes, lib.smk_quantize.restype = [ptr, i64, i64, i64, ptr], None
+    lib.smk_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.smk_matmul.restype = ctypes.c_int
+    lib.smk_set_threads.argtypes, lib.smk_set_threads.restype = [ctypes.c_int], None
+    return lib
+
+
+# --- the self-check: verdicts per build, kept beside it ---------------------------------------------
+
+
+def _verdict_path(so: Path) -> Path:
+    return so.with_suffix(".json")
+
+
+def _checked(so: Path) -> tuple[bool, str]:
+    """(passed, why) for a build: its kept verdict, else a child process runs the check now."""
+    path = _verdict_path(so)
+    try:
+        kept = json.loads(path.read_text())
+        if isinstance(kept, dict) and isinstance(kept.get("ok"), bool) and isinstance(kept.get("why"), str):
+            return kept["ok"], kept["why"]
+    except (OSError, ValueError):
+        pass
+    try:
+        run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot", "check", str(so)],
+                             capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        if run.returncode == 0 and lines:
+            result = json.loads(lines[-1])
+            ok, why = bool(result["ok"]), str(result["why"])
+        elif run.returncode < 0:
+            ok, why = False, f"self-check crashed (signal {-run.returncode})"
+        else:
+            last = (run.stderr.strip().splitlines() or ["no message"])[-1]
+            ok, why = False, f"self-check failed with exit status {run.returncode}: {last[:160]}"
+    except subprocess.TimeoutExpired:
+        ok, why = False, f"self-check timed out after {CHECK_TIMEOUT_S} s"
+    path.write_text(json.dumps({"ok": ok, "why": why}))
+    return ok, why
+
+
+@lru_cache(maxsize=1)
+def library() -> Library:
+    """This process's build of blockdot.c, once checked on this machine, or why not."""
+    mode = os.environ.get(ENV, "on")
+    if mode not in ("on", "off", "portable"):
+        raise SpecMoEError(f"{ENV}={mode!r} is not understood; set it to 'on' (the default), 'portable' "
+                           "(the block kernels' plain C path only) or 'off' (dequantize every matrix per call)")
+    if mode == "off":
+        return Library(None, f"{ENV}=off")
+    try:
+        so = build(portable=mode == "portable")
+    except SpecMoEError as exc:
+        warn(str(exc) + "; GGUF matrices are dequantized per call instead (slower)")
+        return Library(None, str(exc))
+    ok, why = _checked(so)
+    if not ok:
+        warn(f"specmoe's block kernels failed their self-check on this machine ({why}); "
+             "GGUF matrices are dequantized per call instead (same values, slower)")
+        return Library(None, why)
+    lib = _load(so)
+    simd = bool(lib.smk_simd())
+    lib.smk_set_threads(torch.get_num_threads())
+    path = "AVX-512 VNNI" if simd else "portable C"
+    return Library(lib, f"blockdot ({path}), {why}", simd)
+
+
+def available() -> bool:
+    return library().lib is not None
+
+
+def as_stored(dtype_option: str, device) -> bool:
+    """Whether GGUF weights are multiplied in their own encoding: the default (`--dtype
+    auto`) on the CPU where the block kernels built and passed their self-check here.
+    `--dtype float32` is the reference: every weight dequantized, activations unrounded."""
+    return dtype_option == "auto" and torch.device(device).type == "cpu" and available()
+
+
+def computes(type_name: str) -> bool:
+    return type_name in TYPES
+
+
+def set_threads(n: int) -> None:
+    lib = library().lib
+    if lib is not None:
+        lib.smk_set_threads(int(n))
+
+
+# --- the calls ----------------------------------------------------------------------------------
+
+
+def act_bytes(cols: int) -> int:
+    """Bytes of one quantized activation row of `cols` values (blockdot.c's layout)."""
+    cpad = -(-cols // 256) * 256
+    return cpad + 2 * (cpad // 16) * 4
+
+
+def quantize(x: torch.Tensor, build: Library | None = None) -> tuple[torch.Tensor, int]:
+    """x [M, K] float32 -> (M rows of 8-bit activations as blockdot.c lays them out, K)."""
+    lib = (build or library()).lib
+    x = x.contiguous()
+    M, K = x.shape
+    act = lib.smk_act_bytes(K)
+    xq = torch.empty(M * act, dtype=torch.uint8)
+    lib.smk_quantize(x.data_ptr(), M, K, K, xq.data_ptr())
+    return xq, K
+
+
+def matmul_q(xq: tuple[torch.Tensor, int], raw: torch.Tensor, type_name: str, rows: int, out: torch.Tensor | None = None,
+             simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+    """Quantized activations (`quantize`) times W [rows, K] as `raw` GGUF bytes: [M, rows] float32.
+    `simd` False takes the portable path of a build that has both."""
+    build = build or library()
+    lib = build.lib
+    codes, K = xq
+    M = codes.numel() // lib.smk_act_bytes(K)
+    rb = row_bytes(type_name, K)
+    if raw.numel() != rows * rb or not raw.is_contiguous() or raw.dtype != torch.uint8:
+        raise SpecMoEError(f"internal: {raw.numel()} bytes are not a contiguous {rows}x{K} {type_name} matrix")
+    y = out if out is not None else torch.empty(M, rows, dtype=torch.float32)
+    use_simd = build.simd if simd is None else simd
+    if lib.smk_matmul(TYPE_IDS[type_name], raw.data_ptr(), rows, K, rb, codes.data_ptr(), M, y.data_ptr(),
+                      y.stride(0), int(use_simd)):
+        raise SpecMoEError(f"internal: the block kernels do not compute {type_name} with {K} inputs")
+    return y
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, rows: int, simd: bool | None = None,
+           build: Library | None = None) -> torch.Tensor:
+    """x [M, K] float32 times W^T for W [rows, K] stored as GGUF `type_name` bytes: [M, rows] float32."""
+    return matmul_q(quantize(x.float(), build), raw, type_name, rows, simd=simd, build=build)
+
+
+# --- the child process: python -m specmoe.kernels.blockdot check LIB ----------------------------------
+
+CHECK_ROWS = (1, 3, 16)
+TOLERANCE = 1e-4  # relative L2 error against the same 8-bit activations in float64: float32 rounding only
+
+
+def activations_reference(x: torch.Tensor) -> torch.Tensor:
+    """What blockdot.c multiplies for x [M, K] float32: each block of 32 values of a row
+    rounded (half to even) to a multiple of max|x| / 127 over the block, as float64."""
+    M, K = x.shape
+    pad = -K % 32
+    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(M, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv)
+    return (codes.double() * (amax / 127.0).double()).view(M, -1)[:, :K]
+
+
+def random_blocks(type_name: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes laid out as `rows` x `cols` of the type, with sane float16 scales (random
+    bytes there could be infinities) and, for MXFP4, exponents near 1."""
+    values, nbytes = BLOCKS[type_name]
+    raw = torch.randint(0, 256, (rows * cols // values, nbytes), dtype=torch.uint8, generator=gen)
+    scales = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(type_name, ())
+    for at in scales:
+        half = (torch.rand(raw.shape[0], generator=gen) * 0.02 + 0.001).to(torch.float16)
+        raw[:, at:at + 2] = half.view(torch.uint8).view(-1, 2)
+    if type_name == "MXFP4":
+        raw[:, 0] = torch.randint(120, 128, (raw.shape[0],), dtype=torch.uint8, generator=gen)
+    return raw.reshape(-1)
+
+
+def self_check(lib_path: str) -> dict:
+    """Every type through both paths of the build at LIB, against float64 products of the
+    blocks dequantized by base/gguf_quants.py and the activations as the build rounds
+    them; the two paths must also agree bitwise, and a row among others must give the
+    bits it gives alone."""
+    lib = _load(Path(lib_path))
+    lib.smk_set_threads(2)
+    simd = bool(lib.smk_simd())
+    build = Library(lib, "under test", simd)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for t in TYPES:
+        for N, K in ((48, 512), (17, 288 if BLOCKS_OF[t] == 32 else 768)):
+            raw = random_blocks(t, N, K, gen)
+            w = dequantize(raw, t, N, K).double()
+            for M in CHECK_ROWS:
+                x = torch.randn(M, K, generator=gen)
+                want = activations_reference(x) @ w.T
+                paths = [matmul(x, raw, t, N, simd=s, build=build) for s in ((False, True) if simd else (False,))]
+                for y in paths:
+                    if not torch.isfinite(y).all():
+                        return {"ok": False, "why": f"self-check: {t} gave a result that is not finite"}
+                    err = float((y.double() - want).norm() / want.norm())
+                    worst = max(worst, err)
+                    if err > TOLERANCE:
+                        return {"ok": False, "why": f"self-check: {t} N={N} K={K} M={M} relative error {err:.2g}"}
+                if simd and not torch.equal(paths[0], paths[1]):
+                    return {"ok": False, "why": f"self-check: {t} AVX-512 and portable paths differ"}
+                if M > 1 and not torch.equal(paths[-1][-1], matmul(x[-1:], raw, t, N, build=build)[0]):
+                    return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
+    return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
+
+
+BLOCKS_OF = {t: (256 if t.endswith("_K") else 32) for t in TYPES}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "check":
+        sys.exit("usage: python -m specmoe.kernels.blockdot check LIB")
+    print(json.dumps(self_check(sys.argv[2])), flush=True)

@@ -1,0 +1,156 @@
+"""The block kernels (kernels/blockdot.c): every GGUF block type multiplied as stored, exact
+up to float32 rounding given the 8-bit activations, the same bits for a row however many
+rows share the call, on either code path and thread count; and a build that computes
+something else is refused by the self-check before the engine loads it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specmoe.base.gguf_quants import dequantize
+from specmoe.kernels import blockdot
+from specmoe.kernels.cpu import usable_cores
+from specmoe.kernels.packed import PackedMatrix
+
+pytestmark = pytest.mark.skipif(not blockdot.available(), reason=f"block kernels unavailable: {blockdot.library().why}")
+
+TYPES = blockdot.TYPES
+PATHS = [False, True] if blockdot.library().simd else [False]
+
+
+def weights(type_name, rows, cols, seed=0):
+    return blockdot.random_blocks(type_name, rows, cols, torch.Generator().manual_seed(seed))
+
+
+def width(type_name):
+    return 768 if type_name.endswith("_K") else 288  # three K-quant super-blocks; nine 32-blocks (a partial chunk)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
+def test_each_type_is_the_dequantized_product_of_the_rounded_activations(type_name, simd):
+    N, K = 40, width(type_name)
+    raw = weights(type_name, N, K)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 3
+    want = blockdot.activations_reference(x) @ dequantize(raw, type_name, N, K).double().T
+    got = blockdot.matmul(x, raw, type_name, N, simd=simd)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    # and within 8-bit rounding of the float32 product (what --dtype float32 computes)
+    exact = x.double() @ dequantize(raw, type_name, N, K).double().T
+    assert float((got.double() - exact).norm() / exact.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
+def test_a_row_gives_the_same_bits_alone_and_among_up_to_1088_rows(type_name, simd):
+    N, K = 24, width(type_name)
+    raw = weights(type_name, N, K, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(1088, K, generator=gen)
+    alone = torch.cat([blockdot.matmul(rows[i:i + 1], raw, type_name, N, simd=simd) for i in (0, 1, 700, 1087)])
+    for m in (2, 3, 16, 17, 64, 272, 1088):
+        batch = torch.cat([rows[:m - 1], rows[1087:]]) if m < 1088 else rows
+        got = blockdot.matmul(batch, raw, type_name, N, simd=simd)
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[-1], alone[3])
+        if m > 2:  # row 1 is in the batch
+            assert torch.equal(got[1], alone[1])
+    assert torch.equal(blockdot.matmul(rows, raw, type_name, N, simd=simd)[700], alone[2])
+
+
+@pytest.mark.skipif(not blockdot.library().simd, reason="this CPU has no AVX-512 VNNI: only the portable path runs")
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_avx512_and_portable_paths_give_the_same_bits(type_name):
+    N, K = 33, width(type_name)
+    raw = weights(type_name, N, K, seed=4)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(blockdot.matmul(x, raw, type_name, N, simd=True), blockdot.matmul(x, raw, type_name, N, simd=False))
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    N, K = 512, 2048  # large enough to be split between threads
+    raw = weights("Q4_K", N, K, seed=6)
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(7))
+    try:
+        blockdot.set_threads(1)
+        one = blockdot.matmul(x, raw, "Q4_K", N)
+        blockdot.set_threads(3)
+        three = blockdot.matmul(x, raw, "Q4_K", N)
+    finally:
+        blockdot.set_threads(torch.get_num_threads())
+    assert torch.equal(one, three)
+
+
+def test_a_packed_matrix_multiplies_and_looks_up_rows_as_its_parts_do():
+    K = 256
+    q, v = weights("Q4_K", 16, K, seed=8), weights("Q6_K", 8, K, seed=9)
+    m = PackedMatrix.cat([PackedMatrix.of(q, "Q4_K", 16, K), PackedMatrix.of(v, "Q6_K", 8, K)])
+    assert m.shape == (24, K) and m.encoding == "Q4_K/Q6_K" and m.nbytes == q.numel() + v.numel()
+    x = torch.randn(3, K)
+    assert torch.equal(m.linear(x), torch.cat([blockdot.matmul(x, q, "Q4_K", 16), blockdot.matmul(x, v, "Q6_K", 8)], 1))
+    ids = torch.tensor([[3, 20], [0, 23]])
+    assert torch.equal(m.take(ids), m.dequantize()[ids])
+    same = PackedMatrix.cat([PackedMatrix.of(q, "Q4_K", 16, K), PackedMatrix.of(q, "Q4_K", 16, K)])
+    assert len(same.parts) == 1 and same.rows == 32
+
+
+def _build_from(source: str, tmp_path: Path) -> Path:
+    src, out = tmp_path / "blockdot.c", tmp_path / "blockdot.so"
+    src.write_text(source)
+    cmd = [blockdot._compiler(), *blockdot.FLAGS, str(src), "-o", str(out), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("mutation", [
+    ("put32(ws, wm, g32, d, -128.0f * d);", "put32(ws, wm, g32, d, -127.0f * d);"),  # Q8_0's offset off by one code
+    ("*m = q[j + 4] & 63;", "*m = q[j + 4] & 31;"),  # a Q4_K min loses its top bit
+    ("if (n1 > n0) run_rows(j, n0, n1);",  # both paths: one row's last bit depends on the batch
+     "if (n1 > n0) { run_rows(j, n0, n1); if (j->M > 8) j->y[(j->M - 1) * j->ldy + n0] *= 1.0000001f; }"),
+], ids=["q8_0-offset", "q4_k-min", "batch-dependent"])
+def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, tmp_path):
+    source = blockdot.SOURCE.read_text()
+    assert mutation[0] in source
+    lib = _build_from(source.replace(mutation[0], mutation[1]), tmp_path)
+    run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot", "check", str(lib)],
+                         capture_output=True, text=True, timeout=120)
+    verdict = run.stdout.strip().splitlines()[-1]
+    assert '"ok": false' in verdict, verdict
+
+
+def test_the_self_check_passes_the_shipped_source(tmp_path):
+    lib = _build_from(blockdot.SOURCE.read_text(), tmp_path)
+    result = blockdot.self_check(str(lib))
+    assert result["ok"], result["why"]
+
+
+def test_an_unknown_setting_is_a_one_line_error_naming_the_values():
+    env = {**os.environ, "SPECMOE_BLOCKDOT": "fast"}
+    run = subprocess.run([sys.executable, "-c", "from specmoe.kernels import blockdot; blockdot.library()"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode != 0 and "SPECMOE_BLOCKDOT='fast' is not understood" in run.stderr
+    assert "'on'" in run.stderr and "'off'" in run.stderr
+
+
+def test_off_computes_gguf_weights_dequantized():
+    env = {**os.environ, "SPECMOE_BLOCKDOT": "off"}
+    code = "from specmoe.kernels import blockdot; print(blockdot.as_stored('auto', 'cpu'), blockdot.library().why)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split()[0] == "False" and "SPECMOE_BLOCKDOT=off" in out
+
+
+def test_the_reference_encoding_is_asked_for_by_float32():
+    assert blockdot.as_stored("auto", "cpu") and not blockdot.as_stored("float32", "cpu")
+    assert not blockdot.as_stored("auto", "meta")
+
+
+def test_usable_cores_follows_the_affinity_mask():
+    code = "import os; from specmoe.kernels.cpu import usable_cores; os.sched_setaffinity(0, {0}); print(usable_cores())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
