@@ -251,6 +251,62 @@ static inline __attribute__((always_inline)) void unpack256(int type, const uint
     }
 }
 
+#if SMK_VNNI
+/* AVX-512 unpackers of the most common K-quants: the same codes, scales and offsets as
+ * unpack256 (the same float products), a few vector operations per super-block instead of
+ * hundreds of byte operations. */
+
+/* Q4_K / Q5_K scales and mins as 16 bytes (sc0..7, m0..7), four bytes at a time. */
+static inline void scales_k4(const uint8_t *q, uint8_t out[16]) {
+    uint32_t d, m, md, w[4];
+    memcpy(&d, q, 4);
+    memcpy(&m, q + 4, 4);
+    memcpy(&md, q + 8, 4);
+    w[0] = d & 0x3F3F3F3F;
+    w[1] = (md & 0x0F0F0F0F) | ((d >> 2) & 0x30303030);
+    w[2] = m & 0x3F3F3F3F;
+    w[3] = ((md >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030);
+    memcpy(out, w, 16);
+}
+
+static inline void unpack_q4k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    uint8_t sm[16];
+    for (int h = 0; h < 2; h++) {  /* 64 bytes: groups 2h and 2h + 1, low nibbles then high */
+        __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 64 * h));
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        _mm512_storeu_si512((void *)(u + 128 * h), _mm512_shuffle_i64x2(lo, hi, 0x44));
+        _mm512_storeu_si512((void *)(u + 128 * h + 64), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+    }
+    scales_k4(b + 4, sm);
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)));
+    __m512 sc = _mm512_permutexvar_ps(pairs, v);
+    __m512 mn = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
+    _mm512_storeu_ps(ws, _mm512_mul_ps(_mm512_set1_ps(f16(b)), sc));
+    __m512 dm = _mm512_mul_ps(_mm512_set1_ps(f16(b + 2)), mn);
+    _mm512_storeu_ps(wm, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32((int)0x80000000))));
+}
+
+static inline void unpack_q6k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    for (int n = 0; n < 2; n++) {  /* halves of 128 values: 64 bytes of low nibbles, 32 of 2-bit highs */
+        __m512i L = _mm512_loadu_si512((const void *)(b + 64 * n));
+        __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
+        __m512i h01 = _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2));
+        __m512i h23 = _mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2));
+        __m512i v01 = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(h01, m30));
+        __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(h23, m30));
+        _mm512_storeu_si512((void *)(u + 128 * n), v01);
+        _mm512_storeu_si512((void *)(u + 128 * n + 64), v23);
+    }
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+    __m512 w = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc);
+    _mm512_storeu_ps(ws, w);
+    _mm512_storeu_ps(wm, _mm512_mul_ps(_mm512_set1_ps(-32.0f), w));
+}
+#endif
+
 /* Row `row` of W, all of its chunks: u[Kp], ws[Kp/16], wm[Kp/16] (zeros past K). The
  * switch is outside the loop over blocks, so each type's loop is compiled on its own. */
 #define EACH_BLOCK(TYPE, VALUES, BYTES, CALL) \
@@ -261,12 +317,24 @@ static inline __attribute__((always_inline)) void unpack256(int type, const uint
         }                                        \
         break;
 
-static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint8_t *u, float *ws, float *wm) {
+static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint8_t *u, float *ws, float *wm,
+                       int simd) {
     int values, bytes = block_bytes(type, &values);
     int64_t blocks = K / values;
     (void)bytes;
+    (void)simd;
     memset(u + K, 0, (size_t)(Kp - K));
     for (int64_t g = K / 16; g < Kp / 16; g++) ws[g] = wm[g] = 0.0f;
+#if SMK_VNNI
+    if (simd && type == T_Q4_K) {
+        for (int64_t i = 0; i < blocks; i++) unpack_q4k_avx512(row + 144 * i, u + 256 * i, ws + 16 * i, wm + 16 * i);
+        return;
+    }
+    if (simd && type == T_Q6_K) {
+        for (int64_t i = 0; i < blocks; i++) unpack_q6k_avx512(row + 210 * i, u + 256 * i, ws + 16 * i, wm + 16 * i);
+        return;
+    }
+#endif
     switch (type) {
         EACH_BLOCK(T_Q8_0, 32, 34, unpack32(T_Q8_0, b, u + 32 * i, ws, wm, (int)i))
         EACH_BLOCK(T_Q4_0, 32, 18, unpack32(T_Q4_0, b, u + 32 * i, ws, wm, (int)i))
@@ -277,8 +345,8 @@ static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint
         EACH_BLOCK(T_Q2_K, 256, 84, unpack256(T_Q2_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
         EACH_BLOCK(T_Q3_K, 256, 110, unpack256(T_Q3_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
         EACH_BLOCK(T_Q4_K, 256, 144, unpack256(T_Q4_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
-        EACH_BLOCK(T_Q5_K, 256, 176, unpack256(T_Q5_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
         EACH_BLOCK(T_Q6_K, 256, 210, unpack256(T_Q6_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
+        EACH_BLOCK(T_Q5_K, 256, 176, unpack256(T_Q5_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
     }
 }
 
@@ -393,7 +461,7 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
     if (!buf) return;
     float *ws = (float *)(buf + j->Kp), *wm = ws + j->Kp / 16;
     for (int64_t n = n0; n < n1; n++) {
-        unpack_row(j->type, j->w + n * j->row_bytes, j->K, j->Kp, buf, ws, wm);
+        unpack_row(j->type, j->w + n * j->row_bytes, j->K, j->Kp, buf, ws, wm, j->simd);
 #if SMK_VNNI
         if (j->simd) {
             row_dots_vnni(buf, ws, wm, j->Kp, j->xq, j->act, j->M, j->y + n, j->ldy);

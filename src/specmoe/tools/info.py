@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..base.gguf_checkpoint import GGUFCheckpoint, open_checkpoint
+from ..base.gguf_checkpoint import GGUFCheckpoint, open_checkpoint, tensor_kind
 from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
@@ -20,6 +20,8 @@ from ..experts.quant import draft_kernel_choices, draft_modes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
+from ..kernels import blockdot
+from ..kernels.blockdot import as_stored
 from ..policies import POLICIES
 from ..policies.specmoe.draft_memory import describe as describe_draft
 
@@ -90,6 +92,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     }
     if isinstance(ckpt, GGUFCheckpoint):  # the file's encodings, per kind of tensor
         info.update(ckpt.summary())
+        info["weights_compute"] = gguf_compute(ckpt, as_stored(dtype, resolve_device(device)))
     if c.seq2seq:  # the encoder runs once per request, the decoder every step (and drafts)
         info.update(
             encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),
@@ -130,6 +133,36 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
                                    compute_dtype, draft_quant or "auto", cache_dir))
     return info
+
+
+AS_STORED = ("embedding", "attention", "lm head", "experts", "shared experts", "dense MLP")
+
+
+def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
+    """Per kind of tensor in a GGUF file: how the engine computes it (its encoding kept and
+    multiplied by the block kernels, or dequantized) and the bytes it then holds."""
+    mla = ckpt.config.attention.kind == "mla"
+    kinds: dict[str, dict[str, list[int]]] = {}
+    for t in ckpt.file.tensors.values():
+        kind = tensor_kind(t.name)
+        if kind.startswith("experts "):
+            kind = "experts"
+        kept = (stored and len(t.shape) >= 2 and blockdot.computes(t.type_name) and kind in AS_STORED
+                and not (mla and kind == "attention"))  # MLA's projections are dequantized at load
+        per_call = kind == "experts" and not kept  # the tiers keep them as stored either way
+        held = t.nbytes if kept or per_call or t.type_name == "F32" else math.prod(t.shape) * 4
+        way = "as stored" if kept else "dequantized per call" if per_call else "in float32"
+        entry = kinds.setdefault(kind, {}).setdefault(f"{t.type_name} {way}", [0, 0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + held
+    how = f"multiplied as stored by {blockdot.library().describe()}" if stored else "dequantized"
+    report = {}
+    for kind, parts in sorted(kinds.items()):
+        text = ", ".join(f"{name} x{n}" for name, (n, _) in parts.items())
+        held = sum(b for _, b in parts.values())
+        note = " (experts: in their tier and pool, moved as stored)" if kind == "experts" else ""
+        report[kind] = f"{text}; {format_bytes(held)} held{note}"
+    report["kernel"] = how if stored else how + " (--dtype float32, the reference; or no block kernels here)"
+    return report
 
 
 def fused_kernels(c, compute_dtype, device) -> dict[str, str]:
