@@ -23,7 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the bundled demo model)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", type=int, help="CPU compute threads (default: half the cores)")
+    p.add_argument("--threads", type=int, help="CPU compute threads (default: the cores this process may use, as llama.cpp counts them)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

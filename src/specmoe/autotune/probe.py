@@ -21,7 +21,6 @@ same terms project a calibrated machine to other models.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -39,6 +38,7 @@ from ..costmodel.cost_model import Scenario, pass_work
 from ..costmodel.hardware import HardwareProfile
 from ..costmodel.shapes import ModelShape, as_run, shape_of
 from ..experts.formats import checkpoint_format
+from ..kernels.cpu import usable_cores
 from ..engine.engine import Engine, resolve_dtype
 from ..engine.sampling import SamplingParams
 from ..engine.stats import RunCounters
@@ -161,7 +161,7 @@ def measure_op_cost(threads: int | None = None, reps: int = 400) -> float:
     product, scatter-add, norm): the dispatcher and Python around each operator, with
     next to no arithmetic. Measured directly, because a fit cannot tell it from memory
     traffic: both grow with the experts a pass runs."""
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // 2))  # as the engine runs
+    torch.set_num_threads(threads or usable_cores())  # as the engine runs
     x, w = torch.randn(4, 256), torch.randn(256, 256)
     rows = torch.tensor([0, 2, 3])
     out = torch.zeros(4, 256)

@@ -77,7 +77,7 @@ class EngineConfig:
     draft_memory: int | str | None = None
     cache_fraction: float = 0.1
     trace: str | None = None
-    threads: int | None = None  # CPU compute threads; None: half the cores (the rest move experts)
+    threads: int | None = None  # CPU compute threads; None: the cores this process may use (kernels/cpu.py)
 
     def __post_init__(self):
         for name, allowed in (("device", DEVICES), ("dtype", COMPUTE_DTYPES), ("offload", OFFLOAD_TIERS),

@@ -2,8 +2,9 @@
 
 - `transformers`: `AutoModelForCausalLM.generate`, every weight resident, the same compute
   dtype as specmoe, greedy, the same batches (left-padded, with an attention mask).
-- `llama.cpp` (through `llama-cpp-python`; `make anchors` builds it): a float32 GGUF copy
-  of the checkpoint (tools/gguf_export.py, Mixtral family), the same prompts as token ids,
+- `llama.cpp` (through `llama-cpp-python`; `make anchors` builds it): a GGUF model's own
+  file, or a float32 GGUF copy of a checkpoint directory (tools/gguf_export.py, Mixtral
+  family), the same prompts as token ids,
   greedy by the argmax of its logits, the same number of threads as the engines, the same
   batch size (its batch API: B sequences in one KV cache, one llama_decode a step). Its kernels add in their own order, so its tokens may differ
   from ours after a near tie: the record says how many agree.
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ..base.checkpoint import Checkpoint
+from ..base.gguf_file import is_gguf, model_file
 from ..engine.stats import token_ids_sha256
 from ..tools.gguf_export import cached_gguf
 from .runners import Runner
@@ -164,7 +166,9 @@ class LlamaCppRunner(Runner):
         import llama_cpp
 
         self.lib = lib = llama_cpp
-        path = cached_gguf(Checkpoint(Path(model_dir)), cache)
+        # a GGUF model is the anchor's own file, as its users run it; a checkpoint directory its float32 copy
+        gguf = is_gguf(Path(model_dir))
+        path = model_file(Path(model_dir)) if gguf else cached_gguf(Checkpoint(Path(model_dir)), cache)
         self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: llama.cpp holds the pointer
         lib.llama_log_set(self._quiet, None)
         lib.llama_backend_init()
@@ -183,7 +187,8 @@ class LlamaCppRunner(Runner):
         self.batch = lib.llama_batch_init(cp.n_batch, 0, batch_size)
         self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.prompts, self.batch_size, self.max_tokens = prompts, batch_size, max_tokens
-        self.fields = {"version": lib.__version__, "dtype": "float32", "threads": threads, "gguf": path.name}
+        self.fields = {"version": lib.__version__, "dtype": "as the file" if gguf else "float32", "threads": threads,
+                       "gguf": path.name}
 
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """One llama_decode over (token, position, sequence, wants logits) entries."""

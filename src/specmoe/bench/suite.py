@@ -15,6 +15,7 @@ from ..base.units import format_bytes
 from ..base.paths import cache_dir
 from ..engine.engine import resolve_device, resolve_dtype
 from ..engine.sampling import SamplingParams
+from ..kernels.cpu import usable_cores
 from ..policies.specmoe.policy import WORKING_SLOTS
 from . import anchors as anchor_mod
 from .ablation import WHAT, variants
@@ -112,8 +113,8 @@ class Suite:
         dtype = resolve_dtype(s.dtype, open_checkpoint(Path(s.model_dir)), device)
 
         def build():
-            if name == "llama.cpp":  # as many threads as the engines built before it set
-                return anchor_mod.LlamaCppRunner(s.model_dir, prompts, batch, s.max_tokens, torch.get_num_threads(),
+            if name == "llama.cpp":  # as many threads as the engines compute with
+                return anchor_mod.LlamaCppRunner(s.model_dir, prompts, batch, s.max_tokens, s.threads or usable_cores(),
                                                  cache_dir())
             return anchor_mod.TransformersRunner(s.model_dir, prompts, batch, s.max_tokens, device, dtype)
         return Builder(name, "anchor", build)
@@ -166,6 +167,7 @@ class Suite:
             progress.note("OUTPUT MISMATCH: " + bad)
 
         self.machine["torch_threads"] = torch.get_num_threads()  # as the engines set it (--threads)
+        self.machine["compute_threads"] = s.threads or usable_cores()  # every engine's, the anchors' too
         return {
             "machine": self.machine,
             "config": self._config(),

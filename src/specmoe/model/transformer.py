@@ -13,7 +13,6 @@ the router (routers.py) and the expert activation. Routed experts are not held h
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..base.model_config import ModelConfig
 from .attention import ATTENTION
