@@ -490,21 +490,38 @@ static void part(const Job *j, int k, int parts) {
     if (n1 > n0) run_rows(j, n0, n1);
 }
 
+/* A waiting thread first spins on the counter it waits for (a product of one token's row
+ * is over in a fraction of a millisecond, less than a sleeping thread takes to wake), then
+ * sleeps on the condition variable. */
+#define SPINS 20000
+
+static inline void pause_cpu(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 static void *worker(void *arg) {
     int k = (int)(intptr_t)arg;
-    long seen = 0;
+    long seen = 0, g;
     for (;;) {
-        pthread_mutex_lock(&pool.mu);
-        while (pool.generation == seen) pthread_cond_wait(&pool.go, &pool.mu);
-        seen = pool.generation;
+        for (int i = 0; (g = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE)) == seen && i < SPINS; i++) pause_cpu();
+        if (g == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (pool.generation == seen) pthread_cond_wait(&pool.go, &pool.mu);
+            g = pool.generation;
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = g;
         const Job *j = pool.job;
         int parts = pool.threads;
-        pthread_mutex_unlock(&pool.mu);
         if (k >= parts) continue;  /* not needed this time (a product with few rows) */
         part(j, k, parts);
-        pthread_mutex_lock(&pool.mu);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.done);
-        pthread_mutex_unlock(&pool.mu);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0) {
+            pthread_mutex_lock(&pool.mu);
+            pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.mu);
+        }
     }
     return NULL;
 }
@@ -533,16 +550,17 @@ static void run(const Job *j) {
         part(j, 0, 1);
         return;
     }
-    pthread_mutex_lock(&pool.mu);
     pool.job = j;
     pool.threads = parts;
-    pool.pending = parts - 1;
-    pool.generation++;
+    __atomic_store_n(&pool.pending, parts - 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&pool.mu);
+    __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);  /* publishes job and parts */
     pthread_cond_broadcast(&pool.go);
     pthread_mutex_unlock(&pool.mu);
     part(j, 0, parts);
+    for (int i = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) && i < SPINS; i++) pause_cpu();
     pthread_mutex_lock(&pool.mu);
-    while (pool.pending) pthread_cond_wait(&pool.done, &pool.mu);
+    while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE)) pthread_cond_wait(&pool.done, &pool.mu);
     pthread_mutex_unlock(&pool.mu);
 }
 
