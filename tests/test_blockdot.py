@@ -154,3 +154,18 @@ def test_usable_cores_follows_the_affinity_mask():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q4_0", "Q5_1")])
+def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_batch(types):
+    D, I = 512, 768 if types[2].endswith("_K") else 288
+    gen = torch.Generator().manual_seed(10)
+    gate, up = (blockdot.random_blocks(t, I, D, gen) for t in types[:2])
+    down = blockdot.random_blocks(types[2], D, I, gen)
+    x = torch.randn(9, D, generator=gen)
+    y = blockdot.swiglu(x, (gate, types[0]), (up, types[1]), (down, types[2]), I)
+    g, u = blockdot.matmul(x, gate, types[0], I), blockdot.matmul(x, up, types[1], I)
+    want = blockdot.matmul(torch.nn.functional.silu(g) * u, down, types[2], D)
+    assert float((y - want).norm() / want.norm()) < 1e-3  # silu in C and in torch round apart, then 8 bits
+    alone = blockdot.swiglu(x[4:5], (gate, types[0]), (up, types[1]), (down, types[2]), I)
+    assert torch.equal(alone[0], y[4])

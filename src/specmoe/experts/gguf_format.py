@@ -37,6 +37,7 @@ class GGUFFormat:
         self.uniform = quant.uniform  # None: each blob's header says how it is encoded
         self._sections = {t: quant.sections(t) for t in quant.combos}
         self.as_stored = as_stored
+        self._fused = spec.gated and spec.activation == "silu" and not quant.bias  # one call per expert: blockdot.swiglu
         kernels = {}
         for combo in quant.combos:
             for t in combo:
@@ -87,6 +88,9 @@ class GGUFFormat:
         def raw(name: str) -> torch.Tensor:
             offset, n = sec[name]
             return stored[offset:offset + n]
+
+        if self._fused and self._blocks(types[0], x) and self._blocks(types[1], x) and self._blocks(types[2], x):
+            return blockdot.swiglu(x, (raw("gate"), types[0]), (raw("up"), types[1]), (raw("down"), types[2]), I)
 
         def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
             return dequantize(raw(name), type_name, rows, cols, x.dtype)

@@ -99,6 +99,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.smk_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul.restype = ctypes.c_int
     lib.smk_set_threads.argtypes, lib.smk_set_threads.restype = [ctypes.c_int], None
+    lib.smk_swiglu_scratch.argtypes, lib.smk_swiglu_scratch.restype = [i64, i64, i64], i64
+    lib.smk_swiglu.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr,
+                               ctypes.c_int]
+    lib.smk_swiglu.restype = ctypes.c_int
     return lib
 
 
@@ -219,6 +223,25 @@ def matmul_q(xq: tuple[torch.Tensor, int], raw: torch.Tensor, type_name: str, ro
     if lib.smk_matmul(TYPE_IDS[type_name], raw.data_ptr(), rows, K, rb, codes.data_ptr(), M, y.data_ptr(),
                       y.stride(0), int(use_simd)):
         raise SpecMoEError(f"internal: the block kernels do not compute {type_name} with {K} inputs")
+    return y
+
+
+def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
+           inter: int, build: Library | None = None) -> torch.Tensor:
+    """A gated SiLU expert in one call: down(silu(gate x) * up x) for x [M, D] float32, each
+    matrix as (GGUF bytes, type): gate, up [inter, D], down [D, inter]. The products are
+    `matmul`'s; silu is computed in C (g / (1 + exp(-g)), row by row)."""
+    build = build or library()
+    lib = build.lib
+    x = x.contiguous()
+    M, D = x.shape
+    scratch = torch.empty(lib.smk_swiglu_scratch(M, D, inter), dtype=torch.uint8)
+    y = torch.empty(M, D, dtype=torch.float32)
+    ids = [TYPE_IDS[t] for _, t in (gate, up, down)]
+    if lib.smk_swiglu(ids[0], gate[0].data_ptr(), ids[1], up[0].data_ptr(), ids[2], down[0].data_ptr(), D, inter,
+                      x.data_ptr(), M, y.data_ptr(), scratch.data_ptr(), int(build.simd)):
+        raise SpecMoEError(f"internal: the block kernels do not compute a {D}x{inter} expert in "
+                           f"{'/'.join(t for _, t in (gate, up, down))}")
     return y
 
 
