@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-file", type=Path, default=ROOT / "benchmarks" / "prompts" / "heldout.jsonl")
     p.add_argument("--json", type=Path, help="write the records here")
     args = p.parse_args(argv)
+    from specmoe.bench.machine import machine_info
+
     args.workdir.mkdir(parents=True, exist_ok=True)
     records = []
     for type_name in args.types.split(","):
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
                       f"({rec['ratio_low']:.2f}-{rec['ratio_high']:.2f}), tokens equal {rec['tokens_equal']:.0%}",
                       flush=True)
                 if args.json:
-                    args.json.write_text(json.dumps({"command": " ".join(sys.argv), "records": records}, indent=1))
+                    doc = {"command": " ".join(sys.argv), "machine": machine_info("cpu"), "records": records}
+                    args.json.write_text(json.dumps(doc, indent=1))
     return 0
 
 

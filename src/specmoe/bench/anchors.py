@@ -17,6 +17,7 @@ first token to the last (timestamps taken as each step's logits are ready).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import importlib.util
 import time
@@ -152,6 +153,14 @@ class TransformersRunner(Runner):
         gc.collect()
 
 
+@functools.lru_cache(maxsize=1)
+def _quiet_log(lib):
+    """llama.cpp's log callback that prints nothing, made once and kept for the process:
+    llama.cpp keeps the pointer after a runner closes, and a later call that logs (the
+    quantizer's, the next runner's) through a freed callback crashed the process in libffi."""
+    return lib.llama_log_callback(lambda level, text, data: None)
+
+
 class LlamaCppRunner(Runner):
     """llama.cpp on the checkpoint's GGUF copy, greedy, B sequences decoded together
     through its batch API (llama_decode over one batch holding a token of every
@@ -169,8 +178,7 @@ class LlamaCppRunner(Runner):
         # a GGUF model is the anchor's own file, as its users run it; a checkpoint directory its float32 copy
         gguf = is_gguf(Path(model_dir))
         path = model_file(Path(model_dir)) if gguf else cached_gguf(Checkpoint(Path(model_dir)), cache)
-        self._quiet = lib.llama_log_callback(lambda level, text, data: None)  # kept: llama.cpp holds the pointer
-        lib.llama_log_set(self._quiet, None)
+        lib.llama_log_set(_quiet_log(lib), None)
         lib.llama_backend_init()
         self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
         if not self.model:

@@ -1,9 +1,13 @@
-"""BENCHMARKS.md's GGUF section from benchmarks/gguf_models.py's document: what one expert
-is in each file, the file's size and held-out perplexity; then each policy's speed and
-expert bytes per token on the disk tier, against ondemand on the bf16 safetensors model."""
+"""BENCHMARKS.md's GGUF sections. From benchmarks/gguf_models.py's document: what one
+expert is in each file, the file's size and held-out perplexity; then each policy's speed
+and expert bytes per token on the disk tier, against ondemand on the bf16 safetensors
+model. From benchmarks/same_file.py's: specmoe against llama.cpp on llama.cpp's own files."""
 
 from __future__ import annotations
 
+import statistics
+
+from .machine import describe
 from .report import md_table
 from .tables import models_speeds
 
@@ -17,3 +21,20 @@ def gguf_models(doc: dict) -> str:
     out = [md_table(["model", "experts", "one expert (as moved)", "file", f"held-out perplexity ({tokens} tokens)"],
                     rows), ""]
     return "\n".join(out + [models_speeds(doc)])
+
+
+def same_file(doc: dict) -> str:
+    """benchmarks/same_file.py's document: specmoe and llama.cpp on each of llama.cpp's files,
+    per batch size and thread count; the ratio's median and lowest round, and whether the
+    lowest round clears 1.0 (the goal: at least as fast as llama.cpp on the same file)."""
+    rows = []
+    for r in doc["records"]:
+        ours, theirs = statistics.median(r["specmoe_tok_s"]), statistics.median(r["llama_cpp_tok_s"])
+        rows.append([r["type"], f"{r['bytes'] / 1e9:.2f} GB", str(r["batch_size"]), str(r["threads"]), f"{ours:.1f}",
+                     f"{theirs:.1f}", f"{r['ratio_median']:.2f}x", f"{r['ratio_low']:.2f}-{r['ratio_high']:.2f}",
+                     "yes" if r["ratio_low"] >= 1.0 else "no", f"{r['tokens_equal']:.0%}"])
+    rounds = {r["rounds"] for r in doc["records"]}
+    head = ["file (llama.cpp's quantizer)", "size", "B", "threads", "specmoe tok/s", "llama.cpp tok/s",
+            "specmoe ÷ llama.cpp", f"range over {'/'.join(map(str, sorted(rounds)))} rounds", ">= 1.0 in every round",
+            "tokens equal"]
+    return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows)
