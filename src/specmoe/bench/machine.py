@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import platform
 
 import torch
+
+from ..kernels.cpu import usable_cores
 
 
 def cpu_name() -> str:
@@ -19,12 +20,6 @@ def cpu_name() -> str:
         pass
     return platform.processor() or platform.machine() or "unknown"
 
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def machine_info(device: str | None = None) -> dict:

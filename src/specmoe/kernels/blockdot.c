@@ -305,6 +305,22 @@ static inline void unpack_q6k_avx512(const uint8_t *b, uint8_t *u, float *ws, fl
     _mm512_storeu_ps(ws, w);
     _mm512_storeu_ps(wm, _mm512_mul_ps(_mm512_set1_ps(-32.0f), w));
 }
+
+/* Eight Q8_0 blocks (a chunk): codes xor 0x80 (q + 128), scale d and offset -128 d per 32. */
+static inline void unpack_q8_0_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm, int blocks) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    uint16_t h[8] = {0};
+    for (int i = 0; i < blocks; i++) {
+        const uint8_t *q = b + 34 * i;
+        _mm256_storeu_si256((__m256i *)(u + 32 * i), _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 2)), flip));
+        h[i] = (uint16_t)(q[0] | (q[1] << 8));
+    }
+    __m512 d = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h))));
+    __mmask16 keep = (__mmask16)((1u << (2 * blocks)) - 1);
+    _mm512_mask_storeu_ps(ws, keep, d);
+    _mm512_mask_storeu_ps(wm, keep, _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
+}
 #endif
 
 /* Row `row` of W, all of its chunks: u[Kp], ws[Kp/16], wm[Kp/16] (zeros past K). The
@@ -328,6 +344,11 @@ static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint
 #if SMK_VNNI
     if (simd && type == T_Q4_K) {
         for (int64_t i = 0; i < blocks; i++) unpack_q4k_avx512(row + 144 * i, u + 256 * i, ws + 16 * i, wm + 16 * i);
+        return;
+    }
+    if (simd && type == T_Q8_0) {
+        for (int64_t i = 0; i < blocks; i += 8)
+            unpack_q8_0_avx512(row + 34 * i, u + 32 * i, ws + 2 * i, wm + 2 * i, blocks - i < 8 ? (int)(blocks - i) : 8);
         return;
     }
     if (simd && type == T_Q6_K) {
