@@ -38,7 +38,7 @@ def test_each_type_is_the_dequantized_product_of_the_rounded_activations(type_na
     N, K = 40, width(type_name)
     raw = weights(type_name, N, K)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 3
-    want = blockdot.activations_reference(x) @ dequantize(raw, type_name, N, K).double().T
+    want = blockdot.activations_reference(x, type_name) @ dequantize(raw, type_name, N, K).double().T
     got = blockdot.matmul(x, raw, type_name, N, simd=simd)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     # and within 8-bit rounding of the float32 product (what --dtype float32 computes)

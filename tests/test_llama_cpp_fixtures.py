@@ -2,12 +2,14 @@
 files, from committed fixtures (tests/llama_cpp_fixtures.py made them with llama.cpp), so
 that this runs everywhere, without llama.cpp.
 
-In the default encoding specmoe rounds each activation row to 8 bits per 32 values before
-the block products, as llama.cpp does for Q8_0, Q4_0 and MXFP4 weights (for K-quants
-llama.cpp rounds per 256 values, specmoe still per 32): what remains is float rounding
-and a router's top-k flipped where rounding moves two experts' scores past each other.
-The reference encoding (`--dtype float32`) does not round activations at all; the bounds
-below hold it too, less tightly, and the default must be at least as close as it.
+In the default encoding specmoe rounds each activation row to 8 bits exactly as llama.cpp
+does before the same weights (blocks of 32 with a float16 scale for Q8_0, Q4_0 and MXFP4
+weights; blocks of 256 for K-quants) and multiplies the blocks as stored: what remains is
+the order of float additions. Measured: a median difference per position of about 1e-6,
+the same greedy token at every position; where a rounding tie goes the other way a
+router's choice can flip and the prompt's later positions differ by up to about 0.1. The
+reference encoding (`--dtype float32`, no activation rounding) is 0.04-0.09 away: the
+default must stay much closer than it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from llama_cpp_fixtures import CASES, build_file, fixture_path, prompts, sha256 
 
 from specmoe import LLM  # noqa: E402
 
-MEDIAN_TOL = 0.06  # median over positions of the largest |log-prob difference| (vocabulary of 128)
-AGREE = 0.9  # greedy tokens equal at this share of positions
+MEDIAN_TOL = 1e-4  # median over positions of the largest |log-prob difference| (vocabulary of 128)
+MAX_TOL = 0.2  # a position behind a flipped routing choice
+AGREE = 0.98  # greedy tokens equal at this share of positions
 
 
 def logprobs(path: Path, dtype: str) -> list[torch.Tensor]:
@@ -60,8 +63,9 @@ def test_the_default_encoding_gives_llama_cpps_logprobs_on_the_same_file(workdir
                                       "with `python tests/llama_cpp_fixtures.py` (make anchors first)")
     diffs, agree = compare(theirs, logprobs(path, "auto"))
     reference, _ = compare(theirs, logprobs(path, "float32"))
-    assert np.median(diffs) <= MEDIAN_TOL, f"median {np.median(diffs):.3f}, per position {np.round(diffs, 3)}"
+    assert np.median(diffs) <= MEDIAN_TOL, f"median {np.median(diffs):.2e}, per position {np.round(diffs, 4)}"
+    assert diffs.max() <= MAX_TOL, f"largest {diffs.max():.3f}, per position {np.round(diffs, 4)}"
     assert agree >= AGREE, f"argmax agreement {agree:.2f}"
-    assert np.median(diffs) <= np.median(reference) + 1e-3, (
-        f"as stored {np.median(diffs):.4f} is further from llama.cpp than the float32 reference "
-        f"{np.median(reference):.4f}")
+    assert np.median(diffs) * 100 <= np.median(reference), (
+        f"as stored {np.median(diffs):.2e} is not far closer to llama.cpp than the float32 reference "
+        f"({np.median(reference):.2e})")

@@ -96,9 +96,11 @@ class GGUFFormat:
             return dequantize(raw(name), type_name, rows, cols, x.dtype)
 
         def linear_in(t: torch.Tensor) -> torch.Tensor:  # [T, 2I]: gate's outputs, then up's
-            if self._blocks(types[0], t) and self._blocks(types[1], t):  # t quantized once for both
-                h, tq = torch.empty(t.shape[0], 2 * I), blockdot.quantize(t)
+            if self._blocks(types[0], t) and self._blocks(types[1], t):  # t rounded once where both take it so
+                h, tq = torch.empty(t.shape[0], 2 * I), blockdot.quantize(t, types[0])
                 blockdot.matmul_q(tq, raw("gate"), types[0], I, out=h[:, :I])
+                if blockdot.act_width(types[1]) != tq[2]:
+                    tq = blockdot.quantize(t, types[1])
                 blockdot.matmul_q(tq, raw("up"), types[1], I, out=h[:, I:])
                 return h
             gate = F.linear(t, matrix("gate", types[0], I, D))

@@ -5,9 +5,11 @@
  * -ffp-contract=off) and loads it with ctypes (experts/blockdot.py); it needs nothing else.
  *
  * The math (one definition, two code paths that give the same bits):
- *   - Activations: each row is quantized on its own to int8 in blocks of 32 values, one
- *     float scale dx per block (dx = max|x| / 127), as llama.cpp's Q8_0. Kept per 16 values:
- *     xs16 = dx and xsum16 = dx * (sum of the 16 codes).
+ *   - Activations: each row is quantized on its own to int8 in blocks, one scale dx per
+ *     block, exactly as llama.cpp rounds them before the same weights: for K-quant weights
+ *     blocks of 256 (its Q8_K: dx = 1 / (127 / max|x|)), for the others blocks of 32 (its
+ *     Q8_0: dx = max|x| / 127 rounded to float16). Kept per 16 values: xs16 = dx and
+ *     xsum16 = dx * (sum of the 16 codes).
  *   - Weights: a row is unpacked 256 values at a time (a "chunk": one K-quant super-block,
  *     or eight 32-value blocks) into unsigned 8-bit codes u and, per 16 values, a float
  *     scale ws and offset wm, so that each weight is ws * u + wm. Every block type is one
@@ -373,29 +375,53 @@ static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint
 
 /* --- activations: each row to int8 codes in blocks of 32 --------------------------------------- */
 
+/* f rounded to the nearest float16 (ties to even) and back, as llama.cpp stores a Q8_0
+ * block's scale; kept as it is past float16's range (where llama.cpp's would be infinite)
+ * and below its normal range (where float16 loses precision). */
+static float as_half(float f) {
+    if (!(f >= 6.103515625e-05f && f <= 65504.0f)) return f;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint32_t rest = bits & 0x1FFF, keep = bits & ~0x1FFFu;  /* 13 mantissa bits go */
+    if (rest > 0x1000 || (rest == 0x1000 && (keep & 0x2000))) keep += 0x2000;
+    memcpy(&f, &keep, 4);
+    return f;
+}
+
 /* One row's quantized activations: codes q[Kp], then xs16[Kp/16] and xsum16[Kp/16]. */
 int64_t smk_act_bytes(int64_t K) {
     int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
     return Kp + 2 * (Kp / 16) * (int64_t)sizeof(float);
 }
 
-static void quantize_row(const float *x, int64_t K, int64_t Kp, uint8_t *out) {
+/* Blocks of `width` values (32 or 256) of a row to int8 codes with one scale each, as
+ * llama.cpp rounds activations before its products: per 32 with the scale kept in float16
+ * (Q8_0, for Q8_0, Q4_0/1, Q5_0/1 and MXFP4 weights), per 256 with the scale the
+ * reciprocal of 127 / max|x| (Q8_K, for the K-quants). */
+static void quantize_row(const float *x, int64_t K, int64_t Kp, int width, uint8_t *out) {
     int8_t *q = (int8_t *)out;
     float *xs = (float *)(out + Kp), *xsum = xs + Kp / 16;
-    for (int64_t b = 0; b < Kp / 32; b++) {
+    for (int64_t b = 0; b < Kp / width; b++) {
+        const float *v = x + b * width;
         float amax = 0.0f, d, id;
-        int64_t n = b * 32 < K ? (K - b * 32 < 32 ? K - b * 32 : 32) : 0;
-        for (int64_t j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
-        d = amax / 127.0f;
+        int64_t n = b * width < K ? (K - b * width < width ? K - b * width : width) : 0;
+        for (int64_t j = 0; j < n; j++) amax = fmaxf(amax, fabsf(v[j]));
         id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t j = 0; j < 32; j++) q[b * 32 + j] = j < n ? (int8_t)nearbyintf(x[b * 32 + j] * id) : 0;
-        for (int h = 0; h < 2; h++) {
+        d = width == 32 ? as_half(amax / 127.0f) : (amax > 0.0f ? 1.0f / id : 0.0f);
+        for (int64_t j = 0; j < width; j++) q[b * width + j] = j < n ? (int8_t)nearbyintf(v[j] * id) : 0;
+        for (int h = 0; h < width / 16; h++) {
             int s = 0;
-            for (int j = 0; j < 16; j++) s += q[b * 32 + 16 * h + j];
-            xs[2 * b + h] = d;
-            xsum[2 * b + h] = d * (float)s;
+            for (int j = 0; j < 16; j++) s += q[b * width + 16 * h + j];
+            xs[b * width / 16 + h] = d;
+            xsum[b * width / 16 + h] = d * (float)s;
         }
     }
+}
+
+/* The activation blocks a weight type is multiplied with: 256 for K-quants, else 32. */
+int smk_act_width(int type) {
+    int values;
+    return block_bytes(type, &values) && values == 256 ? 256 : 32;
 }
 
 /* --- the dot products of one weight row with every activation row -------------------------- */
@@ -587,10 +613,10 @@ static void run(const Job *j) {
 
 /* --- the entry points ------------------------------------------------------------------------- */
 
-/* x [M, K] float32 (rows ldx apart) -> M rows of smk_act_bytes(K) at xq. */
-void smk_quantize(const float *x, int64_t M, int64_t K, int64_t ldx, uint8_t *xq) {
+/* x [M, K] float32 (rows ldx apart) -> M rows of smk_act_bytes(K) at xq, in blocks of `width` (32 or 256). */
+void smk_quantize(const float *x, int64_t M, int64_t K, int64_t ldx, uint8_t *xq, int width) {
     int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK, act = smk_act_bytes(K);
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, Kp, xq + m * act);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, Kp, width == 256 ? 256 : 32, xq + m * act);
 }
 
 /* y[m, n] (rows ldy apart) = activation row m . weight row n, for W [N, K] of `type`,
@@ -619,14 +645,14 @@ int smk_swiglu(int tg, const uint8_t *g, int tu, const uint8_t *u, int td, const
     if (!bg || !bu || !bd || D % vg || D % vu || I % vd) return -1;
     uint8_t *xq = scratch, *hq = scratch + M * smk_act_bytes(D) + M * 2 * I * (int64_t)sizeof(float);
     float *h = (float *)(scratch + M * smk_act_bytes(D));
-    smk_quantize(x, M, D, D, xq);
-    if (smk_matmul(tg, g, I, D, D / vg * bg, xq, M, h, 2 * I, simd) ||
-        smk_matmul(tu, u, I, D, D / vu * bu, xq, M, h + I, 2 * I, simd))
-        return -1;
+    smk_quantize(x, M, D, D, xq, smk_act_width(tg));
+    if (smk_matmul(tg, g, I, D, D / vg * bg, xq, M, h, 2 * I, simd)) return -1;
+    if (smk_act_width(tu) != smk_act_width(tg)) smk_quantize(x, M, D, D, xq, smk_act_width(tu));
+    if (smk_matmul(tu, u, I, D, D / vu * bu, xq, M, h + I, 2 * I, simd)) return -1;
     for (int64_t m = 0; m < M; m++) {  /* the activation, in place over the gate half */
         float *r = h + m * 2 * I;
         for (int64_t i = 0; i < I; i++) r[i] = r[i] / (1.0f + expf(-r[i])) * r[I + i];
     }
-    smk_quantize(h, M, I, 2 * I, hq);
+    smk_quantize(h, M, I, 2 * I, hq, smk_act_width(td));
     return smk_matmul(td, dn, D, I, I / vd * bd, hq, M, y, D, simd);
 }

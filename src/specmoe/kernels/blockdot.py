@@ -95,7 +95,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.smk_act_bytes.argtypes, lib.smk_act_bytes.restype = [i64], i64
-    lib.smk_quantize.argtypes, lib.smk_quantize.restype = [ptr, i64, i64, i64, ptr], None
+    lib.smk_quantize.argtypes, lib.smk_quantize.restype = [ptr, i64, i64, i64, ptr, ctypes.c_int], None
     lib.smk_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul.restype = ctypes.c_int
     lib.smk_set_threads.argtypes, lib.smk_set_threads.restype = [ctypes.c_int], None
@@ -196,32 +196,40 @@ def act_bytes(cols: int) -> int:
     return cpad + 2 * (cpad // 16) * 4
 
 
-def quantize(x: torch.Tensor, build: Library | None = None) -> tuple[torch.Tensor, int]:
-    """x [M, K] float32 -> (M rows of 8-bit activations as blockdot.c lays them out, K)."""
+def act_width(type_name: str) -> int:
+    """The activation blocks llama.cpp rounds to 8 bits before multiplying this weight type:
+    256 values for K-quants (its Q8_K), 32 for the others (its Q8_0)."""
+    return 256 if type_name.endswith("_K") else 32
+
+
+def quantize(x: torch.Tensor, type_name: str, build: Library | None = None) -> tuple[torch.Tensor, int, int]:
+    """x [M, K] float32 -> (M rows of 8-bit activations as blockdot.c lays them out, K,
+    their block width) for products with `type_name` weights."""
     lib = (build or library()).lib
     x = x.contiguous()
     M, K = x.shape
-    act = lib.smk_act_bytes(K)
-    xq = torch.empty(M * act, dtype=torch.uint8)
-    lib.smk_quantize(x.data_ptr(), M, K, K, xq.data_ptr())
-    return xq, K
+    xq = torch.empty(M * act_bytes(K), dtype=torch.uint8)
+    width = act_width(type_name)
+    lib.smk_quantize(x.data_ptr(), M, K, K, xq.data_ptr(), width)
+    return xq, K, width
 
 
-def matmul_q(xq: tuple[torch.Tensor, int], raw: torch.Tensor, type_name: str, rows: int, out: torch.Tensor | None = None,
-             simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+def matmul_q(xq: tuple[torch.Tensor, int, int], raw: torch.Tensor, type_name: str, rows: int,
+             out: torch.Tensor | None = None, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
     """Quantized activations (`quantize`) times W [rows, K] as `raw` GGUF bytes: [M, rows] float32.
     `simd` False takes the portable path of a build that has both."""
     build = build or library()
-    lib = build.lib
-    codes, K = xq
-    M = codes.numel() // lib.smk_act_bytes(K)
+    codes, K, width = xq
+    M = codes.numel() // act_bytes(K)
     rb = row_bytes(type_name, K)
     if raw.numel() != rows * rb or not raw.is_contiguous() or raw.dtype != torch.uint8:
         raise SpecMoEError(f"internal: {raw.numel()} bytes are not a contiguous {rows}x{K} {type_name} matrix")
+    if width != act_width(type_name):
+        raise SpecMoEError(f"internal: activations in blocks of {width} handed to {type_name} weights")
     y = out if out is not None else torch.empty(M, rows, dtype=torch.float32)
     use_simd = build.simd if simd is None else simd
-    if lib.smk_matmul(TYPE_IDS[type_name], raw.data_ptr(), rows, K, rb, codes.data_ptr(), M, y.data_ptr(),
-                      y.stride(0), int(use_simd)):
+    if build.lib.smk_matmul(TYPE_IDS[type_name], raw.data_ptr(), rows, K, rb, codes.data_ptr(), M, y.data_ptr(),
+                            y.stride(0), int(use_simd)):
         raise SpecMoEError(f"internal: the block kernels do not compute {type_name} with {K} inputs")
     return y
 
@@ -248,7 +256,7 @@ def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tens
 def matmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, rows: int, simd: bool | None = None,
            build: Library | None = None) -> torch.Tensor:
     """x [M, K] float32 times W^T for W [rows, K] stored as GGUF `type_name` bytes: [M, rows] float32."""
-    return matmul_q(quantize(x.float(), build), raw, type_name, rows, simd=simd, build=build)
+    return matmul_q(quantize(x.float(), type_name, build), raw, type_name, rows, simd=simd, build=build)
 
 
 # --- the child process: python -m specmoe.kernels.blockdot check LIB ----------------------------------
@@ -257,16 +265,24 @@ CHECK_ROWS = (1, 3, 16)
 TOLERANCE = 1e-4  # relative L2 error against the same 8-bit activations in float64: float32 rounding only
 
 
-def activations_reference(x: torch.Tensor) -> torch.Tensor:
-    """What blockdot.c multiplies for x [M, K] float32: each block of 32 values of a row
-    rounded (half to even) to a multiple of max|x| / 127 over the block, as float64."""
+def activations_reference(x: torch.Tensor, type_name: str) -> torch.Tensor:
+    """What blockdot.c multiplies `type_name` weights with for x [M, K] float32, as float64:
+    each block of a row (`act_width`) rounded (half to even) to multiples of a scale: for
+    blocks of 32, max|x| / 127 kept in float16 (where float16 holds it as a normal number);
+    for blocks of 256, 1 / (127 / max|x|)."""
     M, K = x.shape
-    pad = -K % 32
-    blocks = torch.nn.functional.pad(x.float(), (0, pad)).view(M, -1, 32)
+    width = act_width(type_name)
+    blocks = torch.nn.functional.pad(x.float(), (0, -K % width)).view(M, -1, width)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv)
-    return (codes.double() * (amax / 127.0).double()).view(M, -1)[:, :K]
+    if width == 256:
+        scale = torch.where(amax > 0, 1.0 / inv, torch.zeros_like(inv))
+    else:
+        scale = amax / 127.0
+        normal = (scale >= 2.0 ** -14) & (scale <= 65504.0)  # in float16 as llama.cpp keeps it, where it can be
+        scale = torch.where(normal, scale.half().float(), scale)
+    return (codes.double() * scale.double()).view(M, -1)[:, :K]
 
 
 def random_blocks(type_name: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
@@ -301,7 +317,7 @@ def self_check(lib_path: str) -> dict:
             w = dequantize(raw, t, N, K).double()
             for M in CHECK_ROWS:
                 x = torch.randn(M, K, generator=gen)
-                want = activations_reference(x) @ w.T
+                want = activations_reference(x, t) @ w.T
                 paths = [matmul(x, raw, t, N, simd=s, build=build) for s in ((False, True) if simd else (False,))]
                 for y in paths:
                     if not torch.isfinite(y).all():

@@ -64,13 +64,17 @@ class PackedMatrix:
         return "/".join(dict.fromkeys(p.type_name for p in self.parts))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, cols] -> x W^T [T, rows] in float32 (activations in 8-bit blocks, blockdot.py)."""
-        lead = x.shape[:-1]
-        xq = blockdot.quantize(x.reshape(-1, self.cols).float())
-        y = torch.empty(xq[0].numel() // blockdot.act_bytes(self.cols), self.rows, dtype=torch.float32)
+        """x [T, cols] -> x W^T [T, rows] in float32 (activations rounded to 8 bits per block, as
+        each part's type is multiplied: blockdot.py)."""
+        lead, flat = x.shape[:-1], x.reshape(-1, self.cols).float()
+        y = torch.empty(flat.shape[0], self.rows, dtype=torch.float32)
+        rounded = {}  # activations rounded once per block width the parts need
         start = 0
         for p in self.parts:
-            blockdot.matmul_q(xq, p.raw, p.type_name, p.rows, out=y[:, start:start + p.rows])
+            width = blockdot.act_width(p.type_name)
+            if width not in rounded:
+                rounded[width] = blockdot.quantize(flat, p.type_name)
+            blockdot.matmul_q(rounded[width], p.raw, p.type_name, p.rows, out=y[:, start:start + p.rows])
             start += p.rows
         return y.reshape(*lead, self.rows)
 

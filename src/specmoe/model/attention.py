@@ -132,11 +132,11 @@ def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     a = c.attention
     T, H, dn, dr, lat = x.shape[0], a.num_heads, a.qk_nope_dim, a.qk_rope_dim, a.kv_lora_rank
     if lw.q_a is not None:
-        q = F.linear(rms_norm(F.linear(x, lw.q_a, lw.q_a_bias), lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
+        q = linear(rms_norm(linear(x, lw.q_a, lw.q_a_bias), lw.q_a_norm, LATENT_NORM_EPS), lw.q_b)
     else:
-        q = F.linear(x, lw.q)
+        q = linear(x, lw.q)
     q_nope, q_rot = q.view(T, H, dn + dr).split([dn, dr], dim=-1)
-    latent, k_rot = F.linear(x, lw.kv_a, lw.kv_a_bias).split([lat, dr], dim=-1)
+    latent, k_rot = linear(x, lw.kv_a, lw.kv_a_bias).split([lat, dr], dim=-1)
     latent = rms_norm(latent, lw.kv_a_norm, LATENT_NORM_EPS)
     q_rot, k_rot = rope.apply(q_rot), rope.apply(k_rot[:, None, :])
     w_kv = lw.kv_b.view(H, dn + a.v_head_dim, lat)
@@ -144,7 +144,7 @@ def mla(c: ModelConfig, i: int, lw, x: torch.Tensor, batch: StepBatch, cache: KV
     keys, _, mask = cache.write_and_read(i, batch, torch.cat([latent[:, None, :], k_rot], dim=-1), None)
     out = attend(query, keys, keys[..., :lat], mask, batch, a.scale, by_length=not cache.is_windowed(i))  # [T, H, c]
     out = torch.einsum("thc,hvc->thv", out, w_kv[:, dn:])  # [T, H, dv]
-    return F.linear(out.reshape(T, -1), lw.o, lw.o_bias)
+    return linear(out.reshape(T, -1), lw.o, lw.o_bias)
 
 
 ATTENTION = {"gqa": gqa, "mla": mla}

@@ -191,7 +191,7 @@ class _Loader:
         c, D = self.c, self.c.hidden_size
         lw = LayerWeights(
             attn_norm=self.get("attn_norm", (D,), i), mlp_norm=self.get("mlp_norm", (D,), i),
-            o=column_major((self.get if c.attention.kind == "mla" else self.dense)(
+            o=column_major((self.matrix if c.attention.kind == "mla" else self.dense)(
                 "o", (D, c.num_heads * c.attention.v_head_dim), i)),
             o_bias=self.get("o_bias", (D,), i, required=False),
         )
@@ -243,12 +243,12 @@ class _Loader:
         a, D = self.c.attention, self.c.hidden_size
         q_out = a.num_heads * (a.qk_nope_dim + a.qk_rope_dim)
         if a.q_lora_rank:
-            lw.q_a, lw.q_a_norm = self.get("q_a", (a.q_lora_rank, D), i), self.get("q_a_norm", (a.q_lora_rank,), i)
+            lw.q_a, lw.q_a_norm = self.matrix("q_a", (a.q_lora_rank, D), i), self.get("q_a_norm", (a.q_lora_rank,), i)
             lw.q_a_bias = self.get("q_a_bias", (a.q_lora_rank,), i, required=False)
-            lw.q_b = self.get("q_b", (q_out, a.q_lora_rank), i)
+            lw.q_b = self.matrix("q_b", (q_out, a.q_lora_rank), i)
         else:
-            lw.q = self.get("q", (q_out, D), i)
-        lw.kv_a = self.get("kv_a", (a.kv_lora_rank + a.qk_rope_dim, D), i)
+            lw.q = self.matrix("q", (q_out, D), i)
+        lw.kv_a = self.matrix("kv_a", (a.kv_lora_rank + a.qk_rope_dim, D), i)
         lw.kv_a_bias = self.get("kv_a_bias", (a.kv_lora_rank + a.qk_rope_dim,), i, required=False)
         lw.kv_a_norm = self.get("kv_a_norm", (a.kv_lora_rank,), i)
         lw.kv_b = self.get("kv_b", (a.num_heads * (a.qk_nope_dim + a.v_head_dim), a.kv_lora_rank), i)

@@ -141,14 +141,13 @@ AS_STORED = ("embedding", "attention", "lm head", "experts", "shared experts", "
 def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
     """Per kind of tensor in a GGUF file: how the engine computes it (its encoding kept and
     multiplied by the block kernels, or dequantized) and the bytes it then holds."""
-    mla = ckpt.config.attention.kind == "mla"
     kinds: dict[str, dict[str, list[int]]] = {}
     for t in ckpt.file.tensors.values():
         kind = tensor_kind(t.name)
         if kind.startswith("experts "):
             kind = "experts"
         kept = (stored and len(t.shape) >= 2 and blockdot.computes(t.type_name) and kind in AS_STORED
-                and not (mla and kind == "attention"))  # MLA's projections are dequantized at load
+                and not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")))  # MLA's kv_b
         per_call = kind == "experts" and not kept  # the tiers keep them as stored either way
         held = t.nbytes if kept or per_call or t.type_name == "F32" else math.prod(t.shape) * 4
         way = "as stored" if kept else "dequantized per call" if per_call else "in float32"
