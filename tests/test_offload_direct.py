@@ -110,6 +110,8 @@ def test_each_runs_read_time_counts_that_runs_reads_only(tiny_ckpt, direct_dir):
         start = time.perf_counter()
         llm.generate(prompts, PARAMS)
         wall = time.perf_counter() - start
-        read_s = llm.last_stats["offload_read_s"]
-        assert 0.3 * wall < read_s <= wall, (read_s, wall)
+        read_s, moved = llm.last_stats["offload_read_s"], llm.last_stats["transfer_bytes"]
+        # at least what this run's bytes take at the throttled rate (its compute's share of
+        # the wall time varies with the machine's load), at most the run itself
+        assert 0.8 * moved / 20e6 < read_s <= wall, (read_s, moved, wall)
     llm.close()

@@ -9,6 +9,7 @@ import statistics
 
 from .machine import describe
 from .report import md_table
+from .section import REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section
 from .tables import models_speeds
 
 
@@ -38,3 +39,23 @@ def same_file(doc: dict) -> str:
             "specmoe ÷ llama.cpp", f"range over {'/'.join(map(str, sorted(rounds)))} rounds", ">= 1.0 in every round",
             "tokens equal"]
     return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows)
+
+
+SAME_FILE = Section("same-file", "The same GGUF file as llama.cpp",
+    "The real-size model written as a float32 GGUF file (tools/gguf_export.py) and quantized by llama.cpp's "
+    "own quantizer (`llama_model_quantize`) to Q4_K_M and Q8_0: what a llama.cpp user has. specmoe's "
+    "resident policy in its default encoding (the file's blocks multiplied as stored: docs/KERNELS.md) "
+    "against llama.cpp on the same file (llama-cpp-python, weights repacked for its CPU kernels as it does "
+    "by default, its batch API at B > 1), every weight in memory, greedy, held-out prompts, the same token "
+    "ids and thread count for both; at the machine's cores and at one thread. Both engines are built once, "
+    "then a warm-up and rounds interleaved (specmoe first in even rounds, llama.cpp first in odd ones); "
+    "the ratio is taken round by round, and the goal counts as met only where every round's ratio clears "
+    "it. Tokens equal: the share of generated tokens both engines agree on (specmoe rounds activations as "
+    "llama.cpp does; its float sums run in another order, and llama.cpp's kernels change with the batch, so "
+    "a near tie can go either way and the sequence then differs).",
+    (Run("same-file.json", f"{REAL_SIZE_MODEL} && python benchmarks/same_file.py --model-dir "
+         "{out}/real-size-k8-m16 --workdir {out}/real-size-gguf --types Q4_K_M,Q8_0 --json {out}/same-file.json",
+         f"{REAL_SIZE_SMOKE_MODEL} && python benchmarks/same_file.py --model-dir {{out}}/real-size-k2-m2 "
+         "--workdir {out}/real-size-gguf-smoke --types Q8_0 --batch-sizes 1 --threads 1 --rounds 1 "
+         "--max-tokens 4 --json {out}/same-file.json"),),
+    lambda docs: same_file(docs["same-file.json"]))

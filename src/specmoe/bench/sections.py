@@ -220,23 +220,7 @@ SECTIONS = (
                  "python benchmarks/quantized_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/quantized.json"),),
             lambda docs: tables.quantized_models(docs["quantized.json"])),
-    Section("same-file", "The same GGUF file as llama.cpp",
-            "The real-size model written as a float32 GGUF file (tools/gguf_export.py) and quantized by llama.cpp's "
-            "own quantizer (`llama_model_quantize`) to Q4_K_M and Q8_0: what a llama.cpp user has. specmoe's "
-            "resident policy in its default encoding (the file's blocks multiplied as stored: docs/KERNELS.md) "
-            "against llama.cpp on the same file (llama-cpp-python, weights repacked for its CPU kernels as it does "
-            "by default, its batch API at B > 1), every weight in memory, greedy, held-out prompts, the same token "
-            "ids and thread count for both; at the machine's cores and at one thread. Both engines are built once, "
-            "then a warm-up and rounds interleaved (specmoe first in even rounds, llama.cpp first in odd ones); "
-            "the ratio is taken round by round, and the goal counts as met only where every round's ratio clears "
-            "it. Tokens equal: the share of generated tokens both engines agree on (llama.cpp rounds activations "
-            "per 256 values for K-quants, specmoe per 32; its kernels are not batch-invariant).",
-            (Run("same-file.json", f"{REAL_SIZE_MODEL} && python benchmarks/same_file.py --model-dir "
-                 "{out}/real-size-k8-m16 --workdir {out}/real-size-gguf --types Q4_K_M,Q8_0 --json {out}/same-file.json",
-                 f"{REAL_SIZE_SMOKE_MODEL} && python benchmarks/same_file.py --model-dir {{out}}/real-size-k2-m2 "
-                 "--workdir {out}/real-size-gguf-smoke --types Q8_0 --batch-sizes 1 --threads 1 --rounds 1 "
-                 "--max-tokens 4 --json {out}/same-file.json"),),
-            lambda docs: gguf_tables.same_file(docs["same-file.json"])),
+    gguf_tables.SAME_FILE,
     Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
             "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
             "out (the Q4_K file keeps the experts' 128-wide down projections in Q5_0, as llama.cpp falls back). "
