@@ -9,7 +9,8 @@ step at B = 1), 16 (B = 16), 272 (a verify pass of B = 16 at gamma = 16).
 Candidates: specmoe's block kernels on the blocks as stored (blockdot); the blocks
 dequantized to float32 at every call and multiplied by torch (what specmoe did before);
 torch's float32 and bfloat16 matmuls on weights dequantized once and kept (4x and 2x the
-memory of Q8_0, 7x and 3.5x of Q4_K).
+memory of Q8_0, 7x and 3.5x of Q4_K). The block kernels are timed as the engine runs them,
+on their own threads with torch's on one; the rest on torch's threads.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ TYPES = ("Q4_K", "Q6_K", "Q8_0")
 
 
 def timed(fn, reps: int) -> float:
-    fn()
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.3:  # past the other thread pool's busy wait, caches and allocator warm
+        fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -79,6 +82,9 @@ def main(argv=None) -> int:
     for type_name in TYPES:
         raws = [blockdot.random_blocks(type_name, N, K, gen) for _ in range(8)]
         for name, (product, held) in candidates(raws, type_name).items():
+            # as the engine runs them: the block kernels' own threads with torch's on one (its
+            # OpenMP threads spin after each operator and would take the cores from them)
+            torch.set_num_threads(1 if name.startswith("blockdot") else args.threads)
             for M in ROWS:
                 x = torch.randn(M, K, generator=gen)
                 rec = {"type": type_name, "kernel": name, "rows": M, "ms": timed(lambda: product(x), args.reps),
