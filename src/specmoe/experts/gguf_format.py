@@ -1,8 +1,8 @@
 """A GGUF file's routed expert, kept in the file's encoding (Q8_0, Q4_K, MXFP4, ...): the
 blob of base/gguf_layout.py is what the tiers store, a fetch moves and a pool slot holds.
 Computing the expert multiplies each matrix in its blocks where `as_stored` (the default
-encoding on the CPU: kernels/blockdot.py, activations rounded to 8 bits per block of 32 as
-llama.cpp does); otherwise (`--dtype float32`, the reference, or a type the kernels do
+encoding on the CPU: kernels/blockdot.py, activations rounded to 8 bits as llama.cpp
+rounds them; a gated SiLU expert in one call); otherwise (`--dtype float32`, the reference, or a type the kernels do
 not compute) it dequantizes one matrix at a time (gate, up, then down) to the compute
 dtype where it runs (base/gguf_quants.py, vectorized per block type) and multiplies: the
 scratch is one matrix, as for the other quantized formats (formats.QuantizedFormat).
