@@ -169,3 +169,23 @@ def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_ba
     assert float((y - want).norm() / want.norm()) < 1e-3  # silu in C and in torch round apart, then 8 bits
     alone = blockdot.swiglu(x[4:5], (gate, types[0]), (up, types[1]), (down, types[2]), I)
     assert torch.equal(alone[0], y[4])
+
+
+def test_attention_gives_a_query_row_the_same_bits_alone_and_among_others():
+    gen = torch.Generator().manual_seed(11)
+    B, G, R, L, d = 3, 4, 6, 40, 32
+    q, k, v = (torch.randn(B, G, n, d, generator=gen) for n in (R, L, L))
+    mask = torch.ones(B, 1, R, L, dtype=torch.bool).tril(L - R)  # row i sees keys up to L - R + i
+    out = blockdot.attend(q, k, v, mask, 0.2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
+    assert (out - want).abs().max() < 1e-5
+    alone = blockdot.attend(q[1:2, :, 2:3], k[1:2, :, :L - R + 3], v[1:2, :, :L - R + 3], None, 0.2)
+    assert torch.equal(alone[0, :, 0], out[1, :, 2])
+
+
+def test_the_routers_float_product_gives_a_row_the_same_bits_alone_and_among_others():
+    gen = torch.Generator().manual_seed(12)
+    w, x = torch.randn(16, 2048, generator=gen), torch.randn(272, 2048, generator=gen)
+    full = blockdot.matmul_f32(x, w)
+    assert (full - x @ w.T).abs().max() < 1e-3
+    assert torch.equal(full[100], blockdot.matmul_f32(x[100:101], w)[0])

@@ -140,7 +140,7 @@ class Engine:
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         model_class = EncoderDecoderTransformer if self.config.seq2seq else MoETransformer
-        self.model = model_class(self.config, weights, self.device, self.dtype)
+        self.model = model_class(self.config, weights, self.device, self.dtype, invariant=self.as_stored)
         self.cache = self.model.new_cache(options.max_batch_size, self.max_model_len, rollback=rollback)
         # The ledger holds the KV cache at its largest (every slot at max_model_len), so the
         # expert pool sized after it can never be squeezed by a growing cache.

@@ -656,3 +656,62 @@ int smk_swiglu(int tg, const uint8_t *g, int tu, const uint8_t *u, int td, const
     smk_quantize(h, M, I, 2 * I, hq, smk_act_width(td));
     return smk_matmul(td, dn, D, I, I / vd * bd, hq, M, y, D, simd);
 }
+
+/* --- exact float products for the few float32 matrices left (routers) ----------------------- */
+
+/* y[m, n] = x[m] . w[n] for float32 w [N, K] and x [M, K]: 16 lanes over K (lane l takes
+ * k = l, l + 16, ...), fused multiply-adds in k order, the lanes summed as tree16. No
+ * rounding of the activations; the same bits for a row whatever M is. */
+void smk_matmul_f32(const float *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            const float *a = x + m * K, *b = w + n * K;
+            float lanes[16] = {0};
+            for (int64_t k = 0; k < K; k += 16)
+                for (int l = 0; l < 16 && k + l < K; l++) lanes[l] = fmaf(a[k + l], b[k + l], lanes[l]);
+            y[m * ldy + n] = tree16(lanes);
+        }
+}
+
+/* --- attention with one order of additions per query row --------------------------------------- */
+
+/* out[b, g, i] = softmax(q[b, g, i] . keys[b, g, j] * scale over the keys j that mask[b, i, j]
+ * lets it see) . values[b, g, j]: for each query row, the scores in key order, their maximum,
+ * exp(score - max) summed in key order, and each output element summed in key order, so a
+ * row gives the same bits however many rows (tokens, sequences) share the call.
+ * q [B, G, R, d], keys [B, G, L, d], values [B, G, L, dv], mask [B, R or 1, L] (1: visible),
+ * out [B, G, R, dv]; scratch: L floats. */
+static void attend_row(const float *q, const float *keys, const float *values, const uint8_t *visible, int64_t L,
+                       int64_t d, int64_t dv, float scale, float *out, float *score) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t j = 0; j < L; j++) {
+        if (!visible[j]) continue;
+        float part[8] = {0};  /* eight running sums over d, added as a fixed tree */
+        for (int64_t t = 0; t < d; t += 8)
+            for (int l = 0; l < 8 && t + l < d; l++) part[l] = fmaf(q[t + l], keys[j * d + t + l], part[l]);
+        score[j] = (((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]))) * scale;
+        top = fmaxf(top, score[j]);
+    }
+    for (int64_t e = 0; e < dv; e++) out[e] = 0.0f;
+    for (int64_t j = 0; j < L; j++) {
+        if (!visible[j]) continue;
+        float p = expf(score[j] - top);
+        total += p;
+        for (int64_t e = 0; e < dv; e++) out[e] = fmaf(p, values[j * dv + e], out[e]);
+    }
+    for (int64_t e = 0; e < dv; e++) out[e] = total > 0.0f ? out[e] / total : 0.0f;
+}
+
+void smk_attend(const float *q, const float *keys, const float *values, const uint8_t *mask, int64_t B, int64_t G,
+                int64_t R, int64_t L, int64_t d, int64_t dv, int mask_rows, float scale, float *out) {
+    float *score = malloc((size_t)(L > 0 ? L : 1) * sizeof(float));
+    if (!score) return;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < R; i++) {
+                const uint8_t *visible = mask + (b * mask_rows + (mask_rows > 1 ? i : 0)) * L;
+                attend_row(q + ((b * G + g) * R + i) * d, keys + (b * G + g) * L * d, values + (b * G + g) * L * dv,
+                           visible, L, d, dv, scale, out + ((b * G + g) * R + i) * dv, score);
+            }
+    free(score);
+}

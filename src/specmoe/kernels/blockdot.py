@@ -103,6 +103,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.smk_swiglu.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr,
                                ctypes.c_int]
     lib.smk_swiglu.restype = ctypes.c_int
+    lib.smk_matmul_f32.argtypes, lib.smk_matmul_f32.restype = [ptr, i64, i64, ptr, i64, ptr, i64], None
+    lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
+    lib.smk_attend.restype = None
     return lib
 
 
@@ -251,6 +254,35 @@ def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tens
         raise SpecMoEError(f"internal: the block kernels do not compute a {D}x{inter} expert in "
                            f"{'/'.join(t for _, t in (gate, up, down))}")
     return y
+
+
+def matmul_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times float32 weight [N, K]^T, each output in one order of additions (no
+    rounding of x): the routers of a model whose other weights are multiplied as stored."""
+    x, w = x.float().contiguous(), weight.float().contiguous()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    library().lib.smk_matmul_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
+                                 y.stride(0))
+    return y
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           scale: float | None) -> torch.Tensor:
+    """softmax(q k^T scale) v over the keys `mask` shows each row, one order of additions per
+    row: q [B, G, R, d], keys [B, G, L, d], values [B, G, L, dv], mask bool [B, 1, R or 1, L]
+    or None (every key) -> [B, G, R, dv] float32."""
+    q, keys, values = (t.float().contiguous() for t in (q, keys, values))
+    B, G, R, d = q.shape
+    L, dv = keys.shape[2], values.shape[3]
+    if mask is None:
+        visible, rows = torch.ones(B, 1, L, dtype=torch.uint8), 1
+    else:
+        rows = mask.shape[2]
+        visible = mask.expand(B, 1, rows, L).to(torch.uint8).contiguous()
+    out = torch.empty(B, G, R, dv, dtype=torch.float32)
+    library().lib.smk_attend(q.data_ptr(), keys.data_ptr(), values.data_ptr(), visible.data_ptr(), B, G, R, L, d, dv,
+                             rows, d ** -0.5 if scale is None else scale, out.data_ptr())
+    return out
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, rows: int, simd: bool | None = None,

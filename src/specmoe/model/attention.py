@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..base.model_config import ModelConfig
 from .kv_cache import KVCache, StepBatch
+from ..kernels import blockdot
 from .layers import linear, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q/kv latent RMSNorms use their default eps, not the config's
@@ -50,14 +51,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         if length < keys.shape[2]:
             keys, values = keys[:, :, :length], values[:, :, :length]
             mask = None if mask is None else mask[..., :length]
-        out = _attend_rows(q_grouped, keys, values, mask, scale, sinks, n)
+        out = _attend_rows(q_grouped, keys, values, mask, scale, sinks, n, batch.invariant)
     else:  # rows past a run's tokens are padding, dropped below
         out = q.new_empty(B, G, n * r, values.shape[-1])
         for first, end, length, tokens in runs:
             rows = tokens * r
             out[first:end, :, :rows] = _attend_rows(
                 q_grouped[first:end, :, :rows], keys[first:end, :, :length], values[first:end, :, :length],
-                None if mask is None else mask[first:end, :, :rows, :length], scale, sinks, tokens)
+                None if mask is None else mask[first:end, :, :rows, :length], scale, sinks, tokens, batch.invariant)
     dv = out.shape[-1]
     if n == 1:
         return out.reshape(B, H, dv)
@@ -65,8 +66,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out if batch.uniform else out[batch.padded_index]
 
 
-def _attend_rows(q, keys, values, mask, scale, sinks, n):
-    """One attention call over sequences side by side: q [b, G, rows, d], keys [b, G, L, d]."""
+def _attend_rows(q, keys, values, mask, scale, sinks, n, invariant=False):
+    """One attention call over sequences side by side: q [b, G, rows, d], keys [b, G, L, d].
+    `invariant`: each query row summed in one order whatever shares the call (blockdot.attend)."""
+    if invariant and sinks is None and q.dtype == torch.float32 and q.device.type == "cpu":
+        return blockdot.attend(q, keys, values, mask, scale)
     if sinks is not None:
         b, rows, L = keys.shape[0], q.shape[2], keys.shape[2]
         if mask is None:

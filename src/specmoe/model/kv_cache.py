@@ -45,6 +45,10 @@ class StepBatch:
     uniform: bool = False  # every sequence has max_new new tokens: tokens are already the padded layout
     attends_all: bool = False  # one new token each at the same position: every query sees every key
     draft: bool = False  # a draft pass: dense weights kept in bfloat16 may be multiplied in it (layers.linear)
+    # attention with one order of additions per query row (kernels/blockdot.attend): the model's
+    # weights are multiplied as stored, whose 8-bit rounding of activations would turn the float
+    # noise of a batch-dependent attention into different tokens across policies
+    invariant: bool = False
     _window_masks: dict = field(default_factory=dict, compare=False, repr=False)
     _key_runs: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -65,7 +69,7 @@ class StepBatch:
         return rows
 
     @classmethod
-    def build(cls, slots, starts, counts, device, draft: bool = False) -> StepBatch:
+    def build(cls, slots, starts, counts, device, draft: bool = False, invariant: bool = False) -> StepBatch:
         slots, starts, counts = tuple(slots), tuple(starts), tuple(counts)
         if not counts or min(counts) < 1:
             raise ValueError("every sequence in a step needs at least one new token")
@@ -84,6 +88,7 @@ class StepBatch:
             uniform=min(counts) == max_new,
             attends_all=max_new == 1 and min(starts) == max(starts),
             draft=draft,
+            invariant=invariant,
         )
 
     def _long(self, values) -> torch.Tensor:

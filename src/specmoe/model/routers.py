@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base.specs import RouterSpec
+from ..kernels import blockdot
 from .layers import as_float32
 from .moe import Routing
 
@@ -111,7 +112,11 @@ ROUTERS = {
 
 
 def route(spec: RouterSpec, x: torch.Tensor, weight: torch.Tensor, logit_bias: torch.Tensor | None = None,
-          correction_bias: torch.Tensor | None = None) -> Routing:
+          correction_bias: torch.Tensor | None = None, invariant: bool = False) -> Routing:
     """The block's choice for x [T, D]: logits in float32, then the family's router."""
-    logits = F.linear(as_float32(x), as_float32(weight), None if logit_bias is None else as_float32(logit_bias))
+    if invariant:  # one order of additions per row: the same choice in every pass (blockdot.matmul_f32)
+        logits = blockdot.matmul_f32(x, weight)
+        logits = logits if logit_bias is None else logits + as_float32(logit_bias)
+    else:
+        logits = F.linear(as_float32(x), as_float32(weight), None if logit_bias is None else as_float32(logit_bias))
     return ROUTERS[spec.kind](spec, logits, correction_bias)

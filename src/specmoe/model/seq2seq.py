@@ -100,8 +100,9 @@ class EncoderDecoderTransformer(MoETransformer):
     """encode(slots, sources, cache, experts) once per request; then forward(tokens, batch,
     cache, experts) -> the decoder's final hidden states [T, D], as `MoETransformer`."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
-        super().__init__(config, weights, device, dtype)
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 invariant: bool = False):
+        super().__init__(config, weights, device, dtype, invariant)
         s = config.seq2seq
         self.encoder_ids = range(config.encoder_layers)
         rows = config.max_position_embeddings + s.pad_token_id + 2

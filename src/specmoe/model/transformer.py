@@ -27,9 +27,11 @@ from .weights import LayerWeights, ModelWeights
 class MoETransformer:
     """forward(tokens, batch, cache, experts) -> final hidden states [T, D]."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                 invariant: bool = False):
         self.config, self.weights = config, weights
         self.device, self.dtype = device, dtype
+        self.invariant = invariant  # every pass's attention batch-invariant (StepBatch.invariant)
         self.rotary = RotaryTable(config.rope, device)
         self.attention = ATTENTION[config.attention.kind]
 
@@ -46,7 +48,7 @@ class MoETransformer:
                        rollback)
 
     def step_batch(self, slots, starts, counts, draft: bool = False) -> StepBatch:
-        return StepBatch.build(slots, starts, counts, self.device, draft)
+        return StepBatch.build(slots, starts, counts, self.device, draft, self.invariant)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, batch: StepBatch, cache: KVCache, experts: ExpertBackend) -> torch.Tensor:
@@ -72,7 +74,7 @@ class MoETransformer:
     def mlp(self, i, lw: LayerWeights, x, experts: ExpertBackend) -> torch.Tensor:
         if lw.router is None:
             return dense_mlp(self.config, lw, x)
-        out = experts.run_moe(i, x, route_block(self.config, lw, x))
+        out = experts.run_moe(i, x, route_block(self.config, lw, x, self.invariant))
         if lw.shared_gate_up is not None:  # always on the device: never routed, never fetched
             shared = swiglu(x, lw.shared_gate_up, lw.shared_down)
             if lw.shared_expert_gate is not None:  # Qwen2-MoE gates it per token
@@ -90,6 +92,6 @@ def dense_mlp(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.T
                           lambda t: linear(t, lw.dense_down), lw.dense_in_bias, lw.dense_out_bias)
 
 
-def route_block(config: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> Routing:
+def route_block(config: ModelConfig, lw: LayerWeights, x: torch.Tensor, invariant: bool = False) -> Routing:
     """The family's router on a MoE block's (normed) input x [T, D]."""
-    return route(config.router, x, lw.router, lw.router_bias, lw.correction_bias)
+    return route(config.router, x, lw.router, lw.router_bias, lw.correction_bias, invariant)
