@@ -110,8 +110,8 @@ def _build_from(source: str, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("mutation", [
     ("put32(ws, wm, g32, d, -128.0f * d);", "put32(ws, wm, g32, d, -127.0f * d);"),  # Q8_0's offset off by one code
     ("*m = q[j + 4] & 63;", "*m = q[j + 4] & 31;"),  # a Q4_K min loses its top bit
-    ("if (n1 > n0) run_rows(j, n0, n1);",  # both paths: one row's last bit depends on the batch
-     "if (n1 > n0) { run_rows(j, n0, n1); if (j->M > 8) j->y[(j->M - 1) * j->ldy + n0] *= 1.0000001f; }"),
+    ("if (n1 > n0) j->range(j, n0, n1);",  # both paths: one row's last bit depends on the batch
+     "if (n1 > n0) { j->range(j, n0, n1); if (j->M > 8) j->y[(j->M - 1) * j->ldy + n0] *= 1.0000001f; }"),
 ], ids=["q8_0-offset", "q4_k-min", "batch-dependent"])
 def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, tmp_path):
     source = blockdot.SOURCE.read_text()

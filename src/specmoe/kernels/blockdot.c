@@ -493,13 +493,17 @@ static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, in
 
 /* --- threads: a small pool, each part a contiguous range of weight rows ----------------------- */
 
-typedef struct {
+/* A job the threads share: N units of work (weight rows; attention rows), split into
+ * contiguous ranges, each run by `range`. */
+typedef struct Job {
     int type;
     const uint8_t *w;
     int64_t N, K, Kp, row_bytes, M, act, ldy;
     const uint8_t *xq;
     float *y;
     int simd;
+    void (*range)(const struct Job *, int64_t n0, int64_t n1);
+    const void *ctx;  /* what a range of another kind of job reads */
 } Job;
 
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
@@ -534,7 +538,7 @@ static int wanted_threads = 1;
 
 static void part(const Job *j, int k, int parts) {
     int64_t n0 = j->N * k / parts, n1 = j->N * (k + 1) / parts;
-    if (n1 > n0) run_rows(j, n0, n1);
+    if (n1 > n0) j->range(j, n0, n1);
 }
 
 /* A waiting thread first spins on the counter it waits for (a product of one token's row
@@ -627,7 +631,7 @@ int smk_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_byt
     int values, bytes = block_bytes(type, &values);
     if (!bytes || K % values || row_bytes < K / values * bytes) return -1;
     Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, row_bytes, M, smk_act_bytes(K), ldy, xq, y,
-             simd && SMK_VNNI};
+             simd && SMK_VNNI, run_rows, NULL};
     run(&j);
     return 0;
 }
@@ -702,16 +706,36 @@ static void attend_row(const float *q, const float *keys, const float *values, c
     for (int64_t e = 0; e < dv; e++) out[e] = total > 0.0f ? out[e] / total : 0.0f;
 }
 
+typedef struct {
+    const float *q, *keys, *values;
+    const uint8_t *mask;
+    int64_t G, R, L, d, dv;
+    int mask_rows;
+    float scale;
+    float *out;
+} Attend;
+
+static void attend_rows(const Job *j, int64_t t0, int64_t t1) {  /* t: (b, g, i) flattened */
+    const Attend *a = j->ctx;
+    float *score = malloc((size_t)(a->L > 0 ? a->L : 1) * sizeof(float));
+    if (!score) return;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t bg = t / a->R, i = t % a->R, b = bg / a->G;
+        const uint8_t *visible = a->mask + (b * a->mask_rows + (a->mask_rows > 1 ? i : 0)) * a->L;
+        attend_row(a->q + t * a->d, a->keys + bg * a->L * a->d, a->values + bg * a->L * a->dv, visible, a->L, a->d,
+                   a->dv, a->scale, a->out + t * a->dv, score);
+    }
+    free(score);
+}
+
 void smk_attend(const float *q, const float *keys, const float *values, const uint8_t *mask, int64_t B, int64_t G,
                 int64_t R, int64_t L, int64_t d, int64_t dv, int mask_rows, float scale, float *out) {
-    float *score = malloc((size_t)(L > 0 ? L : 1) * sizeof(float));
-    if (!score) return;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < R; i++) {
-                const uint8_t *visible = mask + (b * mask_rows + (mask_rows > 1 ? i : 0)) * L;
-                attend_row(q + ((b * G + g) * R + i) * d, keys + (b * G + g) * L * d, values + (b * G + g) * L * dv,
-                           visible, L, d, dv, scale, out + ((b * G + g) * R + i) * dv, score);
-            }
-    free(score);
+    Attend a = {q, keys, values, mask, G, R, L, d, dv, mask_rows, scale, out};
+    Job j = {0};
+    j.N = B * G * R;
+    j.Kp = L * (d + dv);  /* the work per unit, for run's small-job rule */
+    j.M = 1;
+    j.range = attend_rows;
+    j.ctx = &a;
+    run(&j);
 }
