@@ -2,7 +2,7 @@
 against llama.cpp without building it (tests/test_llama_cpp_fixtures.py).
 
 Each case is a tiny random checkpoint of a family written as GGUF by
-specmoe.tools.gguf_convert (tests/test_gguf_llama_cpp.py's `gguf_file`: the same seeds,
+specmoe.tools.gguf_convert (tests/llama_cpp_files.py's `gguf_file`: the same seeds,
 shapes and tokenizer), and llama.cpp's log-probabilities at every position of six prompts,
 run as that module runs it (one llama_decode over each prompt, float32 KV cache, flash
 attention off, one thread). The fixture keeps the file's SHA-256, so a test that rebuilds
@@ -37,16 +37,16 @@ def sha256(path: Path) -> str:
 def build_file(tmp: Path, family: str, type_name: str) -> Path:
     """The case's GGUF file, rebuilt as the fixture's was."""
     sys.path.insert(0, str(HERE))
-    from test_gguf_llama_cpp import gguf_file
+    from llama_cpp_files import gguf_file
 
     return gguf_file(tmp, family, type_name)[1]
 
 
 def prompts() -> list[list[int]]:
     sys.path.insert(0, str(HERE))
-    from test_gguf_llama_cpp import _prompts
+    from llama_cpp_files import prompts as file_prompts
 
-    return _prompts()
+    return file_prompts()
 
 
 def main() -> int:
