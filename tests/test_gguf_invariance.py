@@ -1,8 +1,11 @@
 """In the default encoding a GGUF model's whole forward pass is batch-invariant: a prompt's
-log-probabilities are the same bits scored alone and among other prompts, so every policy
-(whose passes batch tokens differently: decode, draft, verify) gives the same tokens. The
-8-bit rounding of activations makes this necessary: a batch-dependent bit upstream of a
-rounding moves a code by one step, not by one float ulp."""
+log-probabilities are the same bits scored alone and among other prompts. The 8-bit
+rounding of activations makes this necessary: a batch-dependent bit upstream of a rounding
+moves a code by one step, not by one float ulp. At these tiny sizes torch's own attention
+and router products happened to keep a row's bits too, so this does not single out the
+kernels that made the real-size model invariant: test_blockdot.py checks those
+(`blockdot.attend`, `blockdot.matmul_f32`), and the real-size bench compares every
+policy's tokens."""
 
 from __future__ import annotations
 
