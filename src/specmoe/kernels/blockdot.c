@@ -48,7 +48,6 @@
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
        T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
 
-int smk_version(void) { return 1; }
 int smk_simd(void) { return SMK_VNNI; }
 
 static inline float f16(const uint8_t *p) {

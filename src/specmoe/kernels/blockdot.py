@@ -344,7 +344,7 @@ def self_check(lib_path: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for t in TYPES:
-        for N, K in ((48, 512), (17, 288 if BLOCKS_OF[t] == 32 else 768)):
+        for N, K in ((48, 512), (17, 768 if act_width(t) == 256 else 288)):
             raw = random_blocks(t, N, K, gen)
             w = dequantize(raw, t, N, K).double()
             for M in CHECK_ROWS:
@@ -364,8 +364,6 @@ def self_check(lib_path: str) -> dict:
                     return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
     return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
 
-
-BLOCKS_OF = {t: (256 if t.endswith("_K") else 32) for t in TYPES}
 
 
 if __name__ == "__main__":
