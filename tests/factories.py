@@ -712,9 +712,10 @@ def expert_share_budget(llm, fraction: float, batch: int, max_len: int) -> int:
 
 # --- the device budget, measured without the ledger -------------------------------------------
 
-# What the engine may hold on the device beyond its ledger: routing bookkeeping the ledger
-# does not charge (affinity distances E x E per block, substitution maps, the caching
-# policy's pick counts, rotary frequencies): 32-800 B for the tiny Mixtral. Less than one
+# What the engine may hold on the device beyond its ledger: bookkeeping the ledger does not
+# charge (the caching policy's pick counts, rotary frequencies; SpecMoE's affinity table,
+# substitution maps and hotness counts are charged, as "draft routing tables"): 32-300 B
+# for the tiny Mixtral. Less than one
 # of its experts in the smallest format, int4 (4 bits a weight, 3 x 32 x 24 weights: over
 # 1152 B; test_quantized_drafts checks it), so an uncharged copy of one int4 expert shows.
 BOOKKEEPING_ALLOWANCE = 1024

@@ -243,6 +243,31 @@ def test_specmoe_under_a_budget_plans_its_split_by_default(reference, tmp_path):
     llm.close()
 
 
+def test_every_split_the_planner_may_take_stays_inside_the_budget_and_its_ledger(reference, tmp_path, monkeypatch):
+    """Which split wins depends on the experts' timings here: each is run, not only the
+    winner. (A CI run's planner took a split whose routing tables, held beside the ledger,
+    went 922 bytes past it.)"""
+    _, prompts, sha, budgets = reference
+    real, taken = draft_split.choose_split, {}
+
+    def take(*args, **kwargs):
+        best, points = real(*args, **kwargs)
+        taken.setdefault("keys", [p.key for p in points])
+        return next((p for p in points if p.key == taken.get("key")), best), points
+
+    monkeypatch.setattr("specmoe.autotune.choose.choose_split", take)
+    split_llm(reference, tmp_path, draft_memory=None).close()  # the splits it predicts
+    assert len(taken["keys"]) >= 4
+    for key in taken["keys"]:
+        taken["key"] = key
+        llm = split_llm(reference, tmp_path, draft_memory=None)
+        held = watch_device_bytes(llm.engine)
+        llm.generate(prompts, GREEDY)
+        assert llm.last_stats["token_ids_sha256"] == sha
+        assert held.excess(budgets[0.5]) <= under_one_expert(llm.config, 2), key  # int2: the smallest copy here
+        llm.close()
+
+
 @pytest.mark.parametrize("given", [dict(draft_quant="int8"), dict(draft_quant="none"), dict(draft_memory="10%")])
 def test_a_draft_given_on_the_command_line_is_not_planned(reference, tmp_path, given):
     llm = split_llm(reference, tmp_path, **{"draft_memory": None, **given})

@@ -29,6 +29,7 @@ from ..costmodel.shapes import as_run, shape_of
 from ..experts.quant import BITS, draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
+from ..policies.specmoe.policy import draft_table_bytes
 from . import history, speeds
 from .calibrate import calibrate, second_tier
 from .draft_split import LEAST_VERIFY_SLOTS, choose_split
@@ -143,8 +144,10 @@ def choose_draft_memory(runtime) -> tuple:
     if runtime.budget.limit is None:  # before a calibration that would be for nothing
         raise SpecMoEError("--draft-memory auto splits a device budget between the draft and verification: "
                            "give --device-memory too, or --draft-memory as a size")
-    # what the budget leaves for experts: less the scratch quantized experts dequantize into (reserved before the pool)
-    room = runtime.budget.available() - runtime.expert_format.scratch_bytes(runtime.dtype)
+    # what the budget leaves for experts: less the scratch quantized experts dequantize into and
+    # the draft's routing tables (both reserved before the pool)
+    tables = draft_table_bytes(runtime.config, opts, runtime.device, False, whole_run=True)
+    room = runtime.budget.available() - runtime.expert_format.scratch_bytes(runtime.dtype) - tables
     hardware = machine_profile(opts.offload, opts.offload_bandwidth, opts.offload_dir, runtime.budget.available())
     shape, kwargs = _model_inputs(runtime)
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])

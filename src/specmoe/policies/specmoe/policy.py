@@ -35,6 +35,25 @@ from .draft_set import HotnessCounter, random_draft_set
 WORKING_SLOTS = 2  # slots beyond the draft sets, for streaming verification's fetches
 
 
+def uses_affinity(options, copies_of_every_expert: bool) -> bool:
+    """Whether the draft substitutes picks by the affinity table (it needs the table)."""
+    return options.substitution == "affinity" and options.draft_compute == "device" and not copies_of_every_expert
+
+
+def draft_table_bytes(config, options, device, copies_of_every_expert: bool, whole_run: bool) -> int:
+    """The draft's routing tables, reserved before the pool is sized: a substitution map
+    [E] per drafting block on the device (copies of every expert substitute nothing); the
+    hotness counts and the affinity table ([E, E] per MoE block: 15 MiB at 256 experts and
+    58 blocks) are host tensors, which on a CPU-only machine share the budget's memory.
+    `whole_run`: the hotness counts keep a second table (--draft-memory's allocation)."""
+    E = config.num_experts
+    held = (not copies_of_every_expert) * len(config.draft_layer_ids) * E * 8
+    if device.type == "cpu":
+        held += config.num_layers * E * 8 * (1 + whole_run)  # HotnessCounter, its totals
+        held += uses_affinity(options, copies_of_every_expert) * len(config.moe_layer_ids) * E * E * 4
+    return held
+
+
 class SpecMoEPolicy(OffloadPolicy):
     name = "specmoe"
     speculative = True
@@ -59,7 +78,9 @@ class SpecMoEPolicy(OffloadPolicy):
         for mode in modes:
             copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
-            need.append(slots * expert_bytes + experts * copy + scratch)
+            every = mode != "none" and options.draft_memory is None  # copies of every expert substitute nothing
+            tables = draft_table_bytes(config, options, device, every, whole_run=options.draft_memory is not None)
+            need.append(slots * expert_bytes + experts * copy + scratch + tables)
         return min(need) + expert_format(config, dtype, device).scratch_bytes(dtype)
 
     @classmethod
@@ -76,9 +97,11 @@ class SpecMoEPolicy(OffloadPolicy):
             self.memory = DraftMemory(runtime, cache, opts.draft_experts)
             self.draft_quant = opts.draft_quant if opts.draft_quant != "auto" else "mixed"
             n = self.memory.full_per_block
+            self._reserve_tables(runtime)
             super().__init__(replace(runtime, options=replace(opts, draft_experts=n or None)))
         else:
             self.draft_quant = self._reserve_quantized(runtime, cache)
+            self._reserve_tables(runtime)
             super().__init__(replace(runtime, options=replace(opts, draft_quant=self.draft_quant)))  # auto, resolved
         if self.memory is not None:
             default = self.memory.full_per_block
@@ -93,10 +116,15 @@ class SpecMoEPolicy(OffloadPolicy):
         self.draft: dict[int, list[int]] = {}  # block -> its draft experts (pinned in the pool)
         self.substitute: dict[int, torch.Tensor] = {}  # block -> [E] expert each pick becomes
         self.affinity = None
-        if opts.substitution == "affinity" and opts.draft_compute == "device" and self.quantized is None:
+        if uses_affinity(opts, self.quantized is not None):
             self.affinity = load_affinity(runtime.checkpoint, cache)  # (every draft that substitutes)
         self.hotness = HotnessCounter(c.num_layers, c.num_experts, whole_run=self.memory is not None)
         self.drafter = Drafter(self)
+
+    def _reserve_tables(self, runtime) -> None:
+        held = draft_table_bytes(runtime.config, runtime.options, runtime.device, self.quantized is not None,
+                                 whole_run=self.memory is not None)
+        runtime.budget.reserve("draft routing tables", held)
 
     def _reserve_quantized(self, runtime, cache) -> str:
         """Quantized copies of every expert for the draft, reserved before the pool is sized.
