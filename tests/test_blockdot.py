@@ -65,10 +65,11 @@ def test_a_row_gives_the_same_bits_alone_and_among_up_to_1088_rows(type_name, si
 
 @pytest.mark.skipif(not blockdot.library().simd, reason="this CPU has no AVX-512 VNNI: only the portable path runs")
 @pytest.mark.parametrize("type_name", TYPES)
-def test_the_avx512_and_portable_paths_give_the_same_bits(type_name):
-    N, K = 33, width(type_name)
+@pytest.mark.parametrize("rows", [19, 3])  # 3 rows of whole chunks: the fused product (dotted in registers)
+def test_the_avx512_and_portable_paths_give_the_same_bits(type_name, rows):
+    N, K = 33, width(type_name) if rows > 4 else 512
     raw = weights(type_name, N, K, seed=4)
-    x = torch.randn(19, K, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(5))
     assert torch.equal(blockdot.matmul(x, raw, type_name, N, simd=True), blockdot.matmul(x, raw, type_name, N, simd=False))
 
 
@@ -171,16 +172,35 @@ def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_ba
     assert torch.equal(alone[0], y[4])
 
 
-def test_attention_gives_a_query_row_the_same_bits_alone_and_among_others():
+@pytest.mark.parametrize("d", [32, 20])  # 20: the eight running sums' tail
+def test_attention_gives_a_query_row_the_same_bits_alone_and_among_others(d):
     gen = torch.Generator().manual_seed(11)
-    B, G, R, L, d = 3, 4, 6, 40, 32
+    B, G, R, L = 3, 4, 6, 40
     q, k, v = (torch.randn(B, G, n, d, generator=gen) for n in (R, L, L))
     mask = torch.ones(B, 1, R, L, dtype=torch.bool).tril(L - R)  # row i sees keys up to L - R + i
     out = blockdot.attend(q, k, v, mask, 0.2)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2)
     assert (out - want).abs().max() < 1e-5
+    # the keys read in place from a view (as from the KV cache) and from a copy
     alone = blockdot.attend(q[1:2, :, 2:3], k[1:2, :, :L - R + 3], v[1:2, :, :L - R + 3], None, 0.2)
-    assert torch.equal(alone[0, :, 0], out[1, :, 2])
+    copied = blockdot.attend(q[1:2, :, 2:3], k[1:2, :, :L - R + 3].clone(), v[1:2, :, :L - R + 3].clone(), None, 0.2)
+    assert torch.equal(alone[0, :, 0], out[1, :, 2]) and torch.equal(alone, copied)
+
+
+@pytest.mark.skipif(not blockdot.library().simd, reason="this CPU has no AVX-512 VNNI: only the portable path runs")
+@pytest.mark.parametrize("d", [32, 20])
+def test_attention_on_the_avx512_and_portable_paths_gives_the_same_bits(d):
+    gen = torch.Generator().manual_seed(13)
+    B, G, R, L = 2, 3, 5, 70  # 70 keys: four vectors of 16 exponentials and a tail
+    q, k, v = (torch.randn(B, G, n, d, generator=gen) * 4 for n in (R, L, L))
+    mask = torch.ones(B, 1, R, L, dtype=torch.bool).tril(L - R)
+    mask[1, :, :, 3:40] = False  # keys hidden in the middle of a run of 16
+    k[1, :, 5], v[1, :, 5] = float("nan"), float("nan")  # a hidden key's row may hold anything
+    paths = [blockdot.attend(q, k, v, mask, 0.3, simd=s) for s in (True, False)]
+    assert torch.equal(paths[0], paths[1]) and not paths[0].isnan().any()
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.nan_to_num().double(), v.nan_to_num().double(),
+                                                            attn_mask=mask, scale=0.3)
+    assert (paths[0].double() - want).abs().max() < 2e-5  # float32 rounding (torch's own float32 attention: 3e-5)
 
 
 def test_the_routers_float_product_gives_a_row_the_same_bits_alone_and_among_others():

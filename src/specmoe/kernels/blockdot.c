@@ -270,45 +270,90 @@ static inline void scales_k4(const uint8_t *q, uint8_t out[16]) {
     memcpy(out, w, 16);
 }
 
-static inline void unpack_q4k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+/* The AVX-512 unpackers give a chunk in registers: four vectors of 64 codes (values 64 i to
+ * 64 i + 63), the scales and the offsets of its 16 groups. Stored (unpack_*_avx512) they are
+ * what the portable unpackers write; a product of a few rows dots them where they are
+ * (row_dots_fused). */
+static inline void q4k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     uint8_t sm[16];
     for (int h = 0; h < 2; h++) {  /* 64 bytes: groups 2h and 2h + 1, low nibbles then high */
         __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 64 * h));
         __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-        _mm512_storeu_si512((void *)(u + 128 * h), _mm512_shuffle_i64x2(lo, hi, 0x44));
-        _mm512_storeu_si512((void *)(u + 128 * h + 64), _mm512_shuffle_i64x2(lo, hi, 0xEE));
+        u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
+        u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
     }
     scales_k4(b + 4, sm);
     __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)));
     __m512 sc = _mm512_permutexvar_ps(pairs, v);
     __m512 mn = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
-    _mm512_storeu_ps(ws, _mm512_mul_ps(_mm512_set1_ps(f16(b)), sc));
+    *ws = _mm512_mul_ps(_mm512_set1_ps(f16(b)), sc);
     __m512 dm = _mm512_mul_ps(_mm512_set1_ps(f16(b + 2)), mn);
-    _mm512_storeu_ps(wm, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32((int)0x80000000))));
+    *wm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32((int)0x80000000)));
 }
 
-static inline void unpack_q6k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+static inline void q6k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     for (int n = 0; n < 2; n++) {  /* halves of 128 values: 64 bytes of low nibbles, 32 of 2-bit highs */
         __m512i L = _mm512_loadu_si512((const void *)(b + 64 * n));
         __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
         __m512i h01 = _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2));
         __m512i h23 = _mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2));
-        __m512i v01 = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(h01, m30));
-        __m512i v23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(h23, m30));
-        _mm512_storeu_si512((void *)(u + 128 * n), v01);
-        _mm512_storeu_si512((void *)(u + 128 * n + 64), v23);
+        u[2 * n] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(h01, m30));
+        u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(h23, m30));
     }
     __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
-    __m512 w = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc);
-    _mm512_storeu_ps(ws, w);
-    _mm512_storeu_ps(wm, _mm512_mul_ps(_mm512_set1_ps(-32.0f), w));
+    *ws = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc);
+    *wm = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws);
 }
 
-/* Eight Q8_0 blocks (a chunk): codes xor 0x80 (q + 128), scale d and offset -128 d per 32. */
+/* Eight whole Q8_0 blocks (a chunk): codes xor 0x80 (q + 128), scale d and offset -128 d per 32. */
+static inline void q8_0_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    uint16_t h[8];
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *q = b + 68 * i;
+        __m256i lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 2)), flip);
+        __m256i hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 36)), flip);
+        u[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        h[2 * i] = (uint16_t)(q[0] | (q[1] << 8));
+        h[2 * i + 1] = (uint16_t)(q[34] | (q[35] << 8));
+    }
+    *ws = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h))));
+    *wm = _mm512_mul_ps(_mm512_set1_ps(-128.0f), *ws);
+}
+
+static inline void store_regs(const __m512i v[4], __m512 s, __m512 m, uint8_t *u, float *ws, float *wm) {
+    for (int i = 0; i < 4; i++) _mm512_storeu_si512((void *)(u + 64 * i), v[i]);
+    _mm512_storeu_ps(ws, s);
+    _mm512_storeu_ps(wm, m);
+}
+
+static inline void unpack_q4k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+    __m512i v[4];
+    __m512 s, m;
+    q4k_regs(b, v, &s, &m);
+    store_regs(v, s, m, u, ws, wm);
+}
+
+static inline void unpack_q6k_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm) {
+    __m512i v[4];
+    __m512 s, m;
+    q6k_regs(b, v, &s, &m);
+    store_regs(v, s, m, u, ws, wm);
+}
+
+/* Eight Q8_0 blocks (a chunk) or the fewer that end a row: codes, scale and offset per 32. */
 static inline void unpack_q8_0_avx512(const uint8_t *b, uint8_t *u, float *ws, float *wm, int blocks) {
+    if (blocks == 8) {
+        __m512i v[4];
+        __m512 s, m;
+        q8_0_regs(b, v, &s, &m);
+        store_regs(v, s, m, u, ws, wm);
+        return;
+    }
     const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     uint16_t h[8] = {0};
@@ -488,6 +533,55 @@ static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, in
         y[m * ldy] = tree16_avx512(v);
     }
 }
+
+/* A product of a few activation rows (FUSED_ROWS or fewer: a decode step at batch 1, an
+ * expert's picks) with a weight row of whole chunks: each chunk is dotted in the registers
+ * it was unpacked into, instead of unpacked into memory for every row and read back; the
+ * same operations on the same values as unpack_row + row_dots_vnni, in the same order. */
+#define FUSED_ROWS 4
+#define ROW_DOTS_FUSED(NAME, REGS, BYTES)                                                                        \
+    static void NAME(const uint8_t *row, int64_t K, const uint8_t *xq, int64_t act, int64_t M, float *y,        \
+                     int64_t ldy) {                                                                              \
+        const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);             \
+        __m512i idx[4];                                                                                          \
+        for (int i = 0; i < 4; i++) idx[i] = _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * i));             \
+        __m512 f[FUSED_ROWS][4], g[FUSED_ROWS];                                                                  \
+        for (int m = 0; m < FUSED_ROWS; m++) {                                                                   \
+            g[m] = _mm512_setzero_ps();                                                                          \
+            for (int i = 0; i < 4; i++) f[m][i] = _mm512_setzero_ps();                                           \
+        }                                                                                                        \
+        for (int64_t c = 0; c < K / CHUNK; c++) {                                                                \
+            __m512i u[4];                                                                                        \
+            __m512 ws, wm;                                                                                       \
+            REGS(row + (BYTES) * c, u, &ws, &wm);                                                                \
+            for (int m = 0; m < FUSED_ROWS && m < M; m++) {                                                      \
+                const uint8_t *a = xq + m * act;                                                                 \
+                const float *xs = (const float *)(a + K), *xsum = xs + K / 16;                                   \
+                __m512 s = _mm512_mul_ps(ws, _mm512_loadu_ps(xs + 16 * c));                                      \
+                for (int i = 0; i < 4; i++) {                                                                    \
+                    __m512i x = _mm512_loadu_si512((const void *)(a + CHUNK * c + 64 * i));                      \
+                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], x);                            \
+                    f[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[i], s), f[m][i]); \
+                }                                                                                                \
+                g[m] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xsum + 16 * c), g[m]);                                \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int m = 0; m < FUSED_ROWS && m < M; m++) {                                                          \
+            __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[m][0], f[m][1]), _mm512_add_ps(f[m][2], f[m][3])), g[m]); \
+            y[m * ldy] = tree16_avx512(v);                                                                       \
+        }                                                                                                        \
+    }
+ROW_DOTS_FUSED(row_dots_fused_q4k, q4k_regs, 144)
+ROW_DOTS_FUSED(row_dots_fused_q6k, q6k_regs, 210)
+ROW_DOTS_FUSED(row_dots_fused_q8_0, q8_0_regs, 272)
+
+/* The fused product of this type and shape, or NULL (unpack_row + row_dots_vnni). */
+typedef void (*FusedDots)(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
+static FusedDots fused_dots(int type, int64_t K, int64_t M) {
+    if (M > FUSED_ROWS || K % CHUNK) return NULL;
+    return type == T_Q4_K ? row_dots_fused_q4k : type == T_Q6_K ? row_dots_fused_q6k
+         : type == T_Q8_0 ? row_dots_fused_q8_0 : NULL;
+}
 #endif
 
 /* --- threads: a small pool, each part a contiguous range of weight rows ----------------------- */
@@ -506,6 +600,13 @@ typedef struct Job {
 } Job;
 
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
+#if SMK_VNNI
+    FusedDots fused = j->simd ? fused_dots(j->type, j->K, j->M) : NULL;
+    if (fused) {
+        for (int64_t n = n0; n < n1; n++) fused(j->w + n * j->row_bytes, j->K, j->xq, j->act, j->M, j->y + n, j->ldy);
+        return;
+    }
+#endif
     size_t scratch = (size_t)j->Kp + 2 * (size_t)(j->Kp / 16) * sizeof(float);
     uint8_t *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
     if (!buf) return;
@@ -682,26 +783,131 @@ void smk_matmul_f32(const float *w, int64_t N, int64_t K, const float *x, int64_
  * lets it see) . values[b, g, j]: for each query row, the scores in key order, their maximum,
  * exp(score - max) summed in key order, and each output element summed in key order, so a
  * row gives the same bits however many rows (tokens, sequences) share the call.
- * q [B, G, R, d], keys [B, G, L, d], values [B, G, L, dv], mask [B, R or 1, L] (1: visible),
- * out [B, G, R, dv]; scratch: L floats. */
+ * q [B, G, R, d], out [B, G, R, dv] contiguous; keys [B, G, L, d] and values [B, G, L, dv] with
+ * rows of d (dv) floats side by side and any stride between heads and between sequences (the
+ * KV cache's rows up to L, read where they are); mask [B, R or 1, L] (1: visible); scratch: L
+ * floats. A score is eight running sums over d, added as a fixed tree; the exponential is
+ * this file's own (exp_fixed), so that the AVX-512 path and the portable one, written with the
+ * same fused multiply-adds in the same order, give the same bits. */
+static float dot8(const float *q, const float *k, int64_t d, int simd) {
+#if SMK_VNNI
+    if (simd && d % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t t = 0; t < d; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(k + t), acc);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));  /* p_l + p_l+4 */
+        __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                       /* (s0 + s2, s1 + s3) */
+        return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+    }
+#endif
+    (void)simd;
+    float part[8] = {0};
+    int64_t t = 0;
+    for (; t + 8 <= d; t += 8)
+        for (int l = 0; l < 8; l++) part[l] = fmaf(q[t + l], k[t + l], part[l]);
+    for (int l = 0; t + l < d; l++) part[l] = fmaf(q[t + l], k[t + l], part[l]);
+    return ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
+/* e^x for x <= 0 within 2 ulp, 0 below -87 (where float's normal range ends): x = n ln 2 + r,
+ * e^r by its Taylor series to r^6 in fused multiply-adds, times 2^n built from its bits. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+static const float EXP_TAYLOR[7] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
+static inline float exp_fixed(float x) {
+    if (!(x >= -87.0f)) return 0.0f;
+    float n = nearbyintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_LO, fmaf(n, -EXP_LN2_HI, x));
+    float p = EXP_TAYLOR[0];
+    for (int i = 1; i < 7; i++) p = fmaf(p, r, EXP_TAYLOR[i]);
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+#if SMK_VNNI
+static inline __m512 exp_fixed16(__m512 x) {
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x));
+    __m512 p = _mm512_set1_ps(EXP_TAYLOR[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_TAYLOR[i]));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e));
+}
+#endif
+
+/* score[j] = exp(score[j] - top) for the visible keys, 0 for the others. */
+static void softmax_weights(float *score, const uint8_t *visible, int64_t L, float top, int simd) {
+    int64_t j = 0;
+#if SMK_VNNI
+    if (simd)
+        for (; j + 16 <= L; j += 16) {
+            __mmask16 seen = _mm_cmpneq_epi8_mask(_mm_loadu_si128((const __m128i *)(visible + j)), _mm_setzero_si128());
+            __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(seen, score + j), _mm512_set1_ps(top));
+            _mm512_storeu_ps(score + j, _mm512_maskz_mov_ps(seen, exp_fixed16(x)));
+        }
+#endif
+    (void)simd;
+    for (; j < L; j++) score[j] = visible[j] ? exp_fixed(score[j] - top) : 0.0f;
+}
+
+/* out[e] = fma(p, v[e], out[e]) over the row. */
+static inline void add_scaled(float *out, float p, const float *v, int64_t dv, int simd) {
+    int64_t e = 0;
+#if SMK_VNNI
+    if (simd)
+        for (; e + 16 <= dv; e += 16)
+            _mm512_storeu_ps(out + e, _mm512_fmadd_ps(_mm512_set1_ps(p), _mm512_loadu_ps(v + e), _mm512_loadu_ps(out + e)));
+#endif
+    (void)simd;
+    for (; e < dv; e++) out[e] = fmaf(p, v[e], out[e]);
+}
+
+#if SMK_VNNI
+/* add_scaled over every visible key, the row's sums kept in registers (dv up to 16 x
+ * VALUE_VECTORS): the same fused multiply-adds in the same order, without a store and a
+ * load of the row per key. */
+#define VALUE_VECTORS 8
+static void weighted_values(float *out, const float *p, const uint8_t *visible, const float *values, int64_t L,
+                            int64_t dv) {
+    __m512 acc[VALUE_VECTORS];
+    int n = (int)(dv / 16);
+    for (int i = 0; i < VALUE_VECTORS; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        if (!visible[j]) continue;
+        __m512 w = _mm512_set1_ps(p[j]);
+        const float *v = values + j * dv;
+        for (int i = 0; i < VALUE_VECTORS; i++)
+            if (i < n) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < VALUE_VECTORS; i++)
+        if (i < n) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+#endif
+
 static void attend_row(const float *q, const float *keys, const float *values, const uint8_t *visible, int64_t L,
-                       int64_t d, int64_t dv, float scale, float *out, float *score) {
+                       int64_t d, int64_t dv, float scale, float *out, float *score, int simd) {
     float top = -INFINITY, total = 0.0f;
     for (int64_t j = 0; j < L; j++) {
         if (!visible[j]) continue;
-        float part[8] = {0};  /* eight running sums over d, added as a fixed tree */
-        for (int64_t t = 0; t < d; t += 8)
-            for (int l = 0; l < 8 && t + l < d; l++) part[l] = fmaf(q[t + l], keys[j * d + t + l], part[l]);
-        score[j] = (((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]))) * scale;
+        score[j] = dot8(q, keys + j * d, d, simd) * scale;
         top = fmaxf(top, score[j]);
     }
+    softmax_weights(score, visible, L, top, simd);
+    for (int64_t j = 0; j < L; j++) total += score[j];  /* (adding an unseen key's 0 changes nothing) */
     for (int64_t e = 0; e < dv; e++) out[e] = 0.0f;
-    for (int64_t j = 0; j < L; j++) {
-        if (!visible[j]) continue;
-        float p = expf(score[j] - top);
-        total += p;
-        for (int64_t e = 0; e < dv; e++) out[e] = fmaf(p, values[j * dv + e], out[e]);
+#if SMK_VNNI
+    if (simd && dv % 16 == 0 && dv <= 16 * VALUE_VECTORS) {
+        weighted_values(out, score, visible, values, L, dv);
+        for (int64_t e = 0; e < dv; e++) out[e] = total > 0.0f ? out[e] / total : 0.0f;
+        return;
     }
+#endif
+    for (int64_t j = 0; j < L; j++)
+        if (visible[j]) add_scaled(out, score[j], values + j * dv, dv, simd);  /* an unseen value may be anything */
     for (int64_t e = 0; e < dv; e++) out[e] = total > 0.0f ? out[e] / total : 0.0f;
 }
 
@@ -709,7 +915,8 @@ typedef struct {
     const float *q, *keys, *values;
     const uint8_t *mask;
     int64_t G, R, L, d, dv;
-    int mask_rows;
+    int64_t k_seq, k_head, v_seq, v_head;  /* strides in floats */
+    int mask_rows, simd;
     float scale;
     float *out;
 } Attend;
@@ -719,17 +926,18 @@ static void attend_rows(const Job *j, int64_t t0, int64_t t1) {  /* t: (b, g, i)
     float *score = malloc((size_t)(a->L > 0 ? a->L : 1) * sizeof(float));
     if (!score) return;
     for (int64_t t = t0; t < t1; t++) {
-        int64_t bg = t / a->R, i = t % a->R, b = bg / a->G;
+        int64_t bg = t / a->R, i = t % a->R, b = bg / a->G, g = bg % a->G;
         const uint8_t *visible = a->mask + (b * a->mask_rows + (a->mask_rows > 1 ? i : 0)) * a->L;
-        attend_row(a->q + t * a->d, a->keys + bg * a->L * a->d, a->values + bg * a->L * a->dv, visible, a->L, a->d,
-                   a->dv, a->scale, a->out + t * a->dv, score);
+        attend_row(a->q + t * a->d, a->keys + b * a->k_seq + g * a->k_head, a->values + b * a->v_seq + g * a->v_head,
+                   visible, a->L, a->d, a->dv, a->scale, a->out + t * a->dv, score, a->simd);
     }
     free(score);
 }
 
 void smk_attend(const float *q, const float *keys, const float *values, const uint8_t *mask, int64_t B, int64_t G,
-                int64_t R, int64_t L, int64_t d, int64_t dv, int mask_rows, float scale, float *out) {
-    Attend a = {q, keys, values, mask, G, R, L, d, dv, mask_rows, scale, out};
+                int64_t R, int64_t L, int64_t d, int64_t dv, int mask_rows, float scale, float *out,
+                int64_t k_seq, int64_t k_head, int64_t v_seq, int64_t v_head, int simd) {
+    Attend a = {q, keys, values, mask, G, R, L, d, dv, k_seq, k_head, v_seq, v_head, mask_rows, simd && SMK_VNNI, scale, out};
     Job j = {0};
     j.N = B * G * R;
     j.Kp = L * (d + dv);  /* the work per unit, for run's small-job rule */

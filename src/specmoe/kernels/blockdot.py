@@ -104,7 +104,8 @@ def _load(path: Path) -> ctypes.CDLL:
                                ctypes.c_int]
     lib.smk_swiglu.restype = ctypes.c_int
     lib.smk_matmul_f32.argtypes, lib.smk_matmul_f32.restype = [ptr, i64, i64, ptr, i64, ptr, i64], None
-    lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
+    lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr,
+                               i64, i64, i64, i64, ctypes.c_int]
     lib.smk_attend.restype = None
     return lib
 
@@ -267,11 +268,15 @@ def matmul_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           scale: float | None) -> torch.Tensor:
+           scale: float | None, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
     """softmax(q k^T scale) v over the keys `mask` shows each row, one order of additions per
     row: q [B, G, R, d], keys [B, G, L, d], values [B, G, L, dv], mask bool [B, 1, R or 1, L]
-    or None (every key) -> [B, G, R, dv] float32."""
-    q, keys, values = (t.float().contiguous() for t in (q, keys, values))
+    or None (every key) -> [B, G, R, dv] float32. Keys and values are read where they are
+    (a view of the KV cache: rows side by side, any stride between heads and sequences).
+    `simd` False takes the portable path of a build that has both."""
+    build = build or library()
+    q = q.float().contiguous()
+    keys, values = _rows_in_place(keys), _rows_in_place(values)
     B, G, R, d = q.shape
     L, dv = keys.shape[2], values.shape[3]
     if mask is None:
@@ -280,9 +285,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         rows = mask.shape[2]
         visible = mask.expand(B, 1, rows, L).to(torch.uint8).contiguous()
     out = torch.empty(B, G, R, dv, dtype=torch.float32)
-    library().lib.smk_attend(q.data_ptr(), keys.data_ptr(), values.data_ptr(), visible.data_ptr(), B, G, R, L, d, dv,
-                             rows, d ** -0.5 if scale is None else scale, out.data_ptr())
+    build.lib.smk_attend(q.data_ptr(), keys.data_ptr(), values.data_ptr(), visible.data_ptr(), B, G, R, L, d, dv,
+                         rows, d ** -0.5 if scale is None else scale, out.data_ptr(),
+                         keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+                         int(build.simd if simd is None else simd))
     return out
+
+
+def _rows_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t [B, G, L, n] float32 whose rows lie side by side (strides n, 1): itself, else a copy."""
+    t = t.float()
+    return t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, rows: int, simd: bool | None = None,
