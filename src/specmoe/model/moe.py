@@ -216,21 +216,27 @@ def grouped_experts(spec: ExpertSpec, x: torch.Tensor, picks: SortedPicks, w: Ex
     return torch.zeros_like(x).index_add_(0, picks.rows, as_dtype(y, x.dtype))
 
 
-def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, experts: list[ExpertViews]) -> torch.Tensor:
-    """The routed output [1, D] of a single token x [1, D] (batch-1 decoding): its K
-    experts (`experts[e]`: expert e's views) one after another, with no sorting or
-    grouping. Added in expert order from the first output on, as `grouped_experts` adds
-    them into zeros (0 + a + b == a + b)."""
+def one_token(x: torch.Tensor, routing: Routing, compute: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`dispatch` for a single token x [1, D] (batch-1 decoding): its K experts one after
+    another (`compute(e, x_e)` runs expert e), with no sorting or grouping. Added in expert
+    order from the first output on, as `combine` adds them into zeros (0 + a + b == a + b)."""
     ids = routing.ids[0].tolist()  # one host sync
     weights = routing.weights.unbind(1)  # K tensors [1]
     out = None
     for k in sorted(range(len(ids)), key=ids.__getitem__):
-        w = experts[ids[k]]
         xs = (x * weights[k]).to(x.dtype) if routing.scales_input else x
-        y = expert_forward(spec, xs, lambda t: F.linear(t, w.w_in), lambda t: F.linear(t, w.w_out), w.b_in, w.b_out)
+        y = compute(ids[k], xs)
         y = as_dtype(y if routing.scales_input else y * weights[k], x.dtype)
         out = y if out is None else out + y
     return out
+
+
+def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, experts: list[ExpertViews]) -> torch.Tensor:
+    """`one_token` over float experts (`experts[e]`: expert e's views), as `grouped_experts` computes them."""
+    def compute(e: int, xs: torch.Tensor) -> torch.Tensor:
+        w = experts[e]
+        return expert_forward(spec, xs, lambda t: F.linear(t, w.w_in), lambda t: F.linear(t, w.w_out), w.b_in, w.b_out)
+    return one_token(x, routing, compute)
 
 
 class ExpertBackend(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..experts.formats import FloatFormat
-from ..model.moe import (Routing, dispatch, expert_views, group_by_expert, grouped_experts, one_token_experts,
-                         sort_picks, stacked_views)
+from ..model.moe import (Routing, dispatch, expert_views, group_by_expert, grouped_experts, one_token,
+                         one_token_experts, sort_picks, stacked_views)
 from .base import Policy, Runtime, reserve_scratch
 
 
@@ -47,5 +47,7 @@ class ResidentPolicy(Policy):
             picks = sort_picks(routing, c.num_experts)
             return grouped_experts(c.expert, x, picks, self.views[layer], picks.offsets)
         buffers = self.experts[layer]
-        groups = group_by_expert(routing, c.num_experts)
-        return dispatch(x, groups, lambda e, xs: self.format.forward(buffers[e], xs))
+        compute = lambda e, xs: self.format.forward(buffers[e], xs)  # noqa: E731
+        if x.shape[0] == 1:
+            return one_token(x, routing, compute)
+        return dispatch(x, group_by_expert(routing, c.num_experts), compute)
