@@ -1,7 +1,9 @@
-"""The draft's attention projections and LM head in bfloat16 (`draft_dense`): kept so where
-a bfloat16 checkpoint stores them so, multiplied in bfloat16 by draft passes only, widened
-back to float32 by every exact pass (prefill, verify), which then computes exactly what
-float32 weights give: the same logits bit for bit, the resident model's tokens."""
+"""The draft's attention projections and LM head in bfloat16 (`draft_dense`, with
+`--dtype float32`: by default the CPU multiplies a bfloat16 checkpoint as stored in every
+pass, test_bfloat16_as_stored.py): kept so where a bfloat16 checkpoint stores them so,
+multiplied in bfloat16 by draft passes only, widened back to float32 by every exact pass
+(prefill, verify), which then computes exactly what float32 weights give: the same logits
+bit for bit, the resident model's tokens."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def bf16_ckpt(tmp_path_factory):
 
 def llm(path, tmp_path, **options):
     return LLM(model=str(path), device="cpu", offload_dir=str(tmp_path), max_batch_size=3, max_model_len=48,
-               threads=1, **options)
+               threads=1, **{"dtype": "float32", **options})
 
 
 def test_bfloat16_projections_widened_give_the_float32_weights_logits_bit_for_bit(bf16_ckpt, tmp_path):
@@ -118,3 +120,9 @@ def test_bfloat16_pays_compares_the_two_products_times():
 def test_an_unknown_draft_dense_is_a_one_line_error():
     with pytest.raises(SpecMoEError, match="draft_dense"):
         EngineConfig(draft_dense="float8")
+
+
+def test_a_bfloat16_checkpoint_multiplied_as_stored_needs_no_draft_copy(bf16_ckpt, tmp_path):
+    stored = llm(bf16_ckpt[0], tmp_path, policy="specmoe", device_memory="40%", draft_dense="bfloat16", dtype="auto")
+    assert stored.engine.as_stored and stored.engine.draft_dense is None
+    stored.close()

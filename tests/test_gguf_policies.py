@@ -20,7 +20,7 @@ from specmoe.base.gguf_layout import HEADER  # noqa: E402
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SHAPE = dict(device="cpu", max_batch_size=4, max_model_len=48)
 MODELS = [("mixtral", "Q4_0"), ("qwen3_moe", "Q8_0"), ("deepseek_v3", "Q4_0"), ("gpt_oss", "MXFP4"),
-          ("glm4_moe", "Q4_0"), ("llama4", "Q8_0"), ("phimoe", "Q4_0")]
+          ("glm4_moe", "Q4_0"), ("llama4", "Q8_0"), ("phimoe", "Q4_0"), ("qwen3_moe", "BF16")]
 POLICIES = [
     ("ondemand", {}), ("overlap", {}), ("caching", {}), ("host", {"offload": "host"}),
     # int4 copies (of 4-bit experts too, as big as they are here): room for them and every expert

@@ -1,8 +1,9 @@
 """Float experts of a bfloat16 checkpoint computed in float32 (the CPU's compute dtype)
-stay bfloat16 in the offload tiers: half the bytes on disk, read and moved, widened to
-float32 when they enter a pool slot. Widening is exact, so every policy computes what it
-computed from float32 copies: the same tokens as a float32 checkpoint holding the same
-values."""
+stay bfloat16 in the offload tiers: half the bytes on disk, read and moved, and in the pool
+slots too, where the block kernels multiply them as stored (each weight widened exactly in
+registers; --dtype float32 widens them when they enter a slot instead). Either way every
+policy computes the float32 products of the same values: the same tokens as a float32
+checkpoint holding them."""
 
 import resource
 
@@ -90,7 +91,10 @@ def test_the_disk_tier_holds_and_reads_bfloat16_experts_and_gives_the_float32_tw
     sizes = {name: sum(f.stat().st_size for f in (direct_io_dir / name).glob("experts-*.bin")) for name in got}
     assert sizes["bf16"] == pytest.approx(sizes["f32"] / 2, rel=0.05)
     assert policy.store.dtype == torch.bfloat16 and policy32.store.dtype == torch.float32
-    assert policy.pool.buffers.dtype == torch.float32  # computed in float32 all the same
+    assert policy.pool.buffers.dtype == torch.bfloat16  # multiplied as stored: half a float32 slot
+    reference = run(bf16, direct_io_dir / "bf16-reference", policy="ondemand", offload="disk", device_memory="30%",
+                    dtype="float32")
+    assert reference[0] == tokens and reference[3].pool.buffers.dtype == torch.float32  # widened in its slot
 
 
 @pytest.mark.parametrize("options", [

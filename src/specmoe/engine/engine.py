@@ -23,7 +23,7 @@ from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
 from ..base.memory import release_free_memory
 from ..experts.budget import DeviceBudget
-from ..experts.formats import expert_format
+from ..experts.formats import checkpoint_expert_dtype, expert_format
 from ..kernels import blockdot
 from ..kernels.cpu import usable_cores
 from ..model.seq2seq import EncoderDecoderTransformer
@@ -58,6 +58,14 @@ def resolve_dtype(name: str, ckpt: Checkpoint, device: torch.device) -> torch.dt
     # On the CPU compute in float32: bf16 rounding differs with batch shapes, and greedy
     # outputs must not depend on which policy batched the work. On CUDA: the checkpoint's.
     return torch.float32 if device.type == "cpu" else ckpt.torch_dtype()
+
+
+def computes_as_stored(dtype_option: str, ckpt: Checkpoint, device: torch.device) -> bool:
+    """Whether the model's weights are multiplied in the encoding its file stores them in
+    (a GGUF file's blocks, a bfloat16 checkpoint's bfloat16) by the block kernels: the
+    CPU's default where they built and passed their self-check (kernels/blockdot.py)."""
+    return blockdot.as_stored(dtype_option, device) and (
+        isinstance(ckpt, GGUFCheckpoint) or ckpt.torch_dtype() == torch.bfloat16)
 
 
 def draft_dense_dtype(options: EngineConfig, config, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
@@ -114,7 +122,7 @@ class Engine:
         self.config = self.checkpoint.config
         options.check_model(self.config)
         self.device = resolve_device(options.device)
-        self.as_stored = blockdot.as_stored(options.dtype, self.device) and isinstance(self.checkpoint, GGUFCheckpoint)
+        self.as_stored = computes_as_stored(options.dtype, self.checkpoint, self.device)
         if self.device.type == "cpu":
             # every core this process may use, as llama.cpp runs by default (kernels/cpu.py). A GGUF
             # model's matrices all go through the block kernels' threads; torch's own pool would only
@@ -128,13 +136,15 @@ class Engine:
         self.max_model_len = min(
             options.max_model_len or DEFAULT_MAX_MODEL_LEN, self.config.max_position_embeddings
         )
-        self.draft_dense = draft_dense_dtype(options, self.config, self.device, self.dtype)
+        # multiplied as stored, a bfloat16 checkpoint's matrices are bfloat16 in every pass already
+        self.draft_dense = None if self.as_stored else draft_dense_dtype(options, self.config, self.device, self.dtype)
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense, self.as_stored)
         # windowed layers keep a ring of their window plus the drafts a step may roll back
         rollback = max(options.gamma, MAX_GAMMA)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
-        slot_bytes = expert_format(self.config, self.dtype, self.device, as_stored=self.as_stored).slot_bytes  # a quantized expert: its blob
+        slot_bytes = expert_format(self.config, self.dtype, self.device, checkpoint_expert_dtype(self.checkpoint),
+                                   blockdot.as_stored(options.dtype, self.device)).slot_bytes  # as Runtime's
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
         self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)

@@ -4,7 +4,8 @@ offload tiers store and a fetch moves, and the layout a device-pool slot holds i
 - `FloatFormat`: the expert's weights as one buffer in the layout of `ExpertSpec` (float
   checkpoints), in the compute dtype, or in the checkpoint's narrower one where widening
   it is exact (bfloat16 weights computed in float32 on the CPU: `stored_dtype`); a slot
-  holds the buffer in the compute dtype.
+  holds the buffer in the compute dtype, or, multiplied as stored (the CPU's default), in
+  bfloat16 (kernels/blockdot.py widens each weight in registers).
 - `QuantizedFormat`: the checkpoint's own quantized bytes, one uint8 blob (layout:
   base/quantization.py: codes and scales of w_in and w_out, biases). A slot holds the
   blob, and computing an expert dequantizes each matrix in turn to the compute dtype (one
@@ -34,8 +35,9 @@ from ..base.config import ModelConfig
 from ..base.quantization import ExpertQuant, MatrixQuant
 from ..base.quantized_tensors import FP4_VALUES, SCALE_DTYPES, expand_scales
 from ..base.specs import ExpertSpec
+from ..kernels import blockdot
 from ..model.layers import as_dtype
-from ..model.moe import expert_forward, run_expert
+from ..model.moe import expert_forward, expert_views, run_expert
 from .gguf_format import GGUFFormat
 from .kernels import ALIGN, KernelChoice, Shape, choose, int4_mm, int4_pack
 
@@ -89,20 +91,31 @@ class ExpertFormat:
 
 
 class FloatFormat(ExpertFormat):
-    def __init__(self, spec: ExpertSpec, dtype: torch.dtype, stored: torch.dtype | None = None):
+    def __init__(self, spec: ExpertSpec, dtype: torch.dtype, stored: torch.dtype | None = None, as_stored: bool = False):
         self.spec, self.numel, self.compute_dtype = spec, spec.numel, dtype
         self.storage_dtype = stored or dtype
-        self.converts = self.storage_dtype != dtype
+        # bfloat16 experts multiplied as stored (kernels/blockdot.py: widened in registers, the
+        # float32 reference's products): a slot holds them at half the bytes of float32
+        self.as_stored = as_stored and self.storage_dtype == torch.bfloat16 and dtype == torch.float32
+        self.converts = self.storage_dtype != self.slot_dtype
         self.name = str(self.storage_dtype).removeprefix("torch.")
+        if self.as_stored:
+            self.kernels = {"bfloat16 experts": f"as stored: {blockdot.library().describe()}"}
 
     @property
     def slot_dtype(self) -> torch.dtype:
-        return self.compute_dtype
+        return self.storage_dtype if self.as_stored else self.compute_dtype
 
     def read(self, ckpt: Checkpoint, layer: int, expert: int) -> torch.Tensor:
         return ckpt.expert_buffer(layer, expert, self.storage_dtype)
 
     def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.as_stored and stored.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+            v = expert_views(stored, self.spec)
+            return expert_forward(self.spec, x, lambda t: blockdot.matmul_bf16(t, v.w_in, v.w_in.shape[0]),
+                                  lambda t: blockdot.matmul_bf16(t, v.w_out, v.w_out.shape[0]),
+                                  as_dtype(v.b_in, x.dtype) if v.b_in is not None else None,
+                                  as_dtype(v.b_out, x.dtype) if v.b_out is not None else None)
         return run_expert(as_dtype(stored, x.dtype), x, self.spec)
 
 
@@ -183,12 +196,13 @@ def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
                   checkpoint_dtype: torch.dtype | None = None, as_stored: bool = False) -> ExpertFormat:
     """How this model's experts are held: the checkpoint's quantized blobs, else float
     buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout;
-    `as_stored`: a GGUF expert is multiplied in its blocks (kernels/blockdot.py)."""
+    `as_stored`: a GGUF expert is multiplied in its blocks, a bfloat16 one in bfloat16
+    (kernels/blockdot.py)."""
     if config.expert_quant is not None and config.expert_quant.source == "gguf":  # a GGUF file's own encoding
         return GGUFFormat(config.expert, config.expert_quant, as_stored)
     if config.expert_quant is not None:
         return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
-    return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype))
+    return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype), as_stored)
 
 
 def checkpoint_format(ckpt: Checkpoint, dtype: torch.dtype, device=None) -> ExpertFormat:

@@ -22,6 +22,7 @@ from ..base.gguf_layout import GGUFExpertQuant
 from ..base.gguf_quants import TYPE_NAMES, dequantize, native
 from ..base.specs import ExpertSpec
 from ..kernels import blockdot
+from ..kernels.packed import PackedMatrix, Part
 from ..model.moe import expert_forward
 
 
@@ -89,26 +90,21 @@ class GGUFFormat:
             offset, n = sec[name]
             return stored[offset:offset + n]
 
-        if self._fused and self._blocks(types[0], x) and self._blocks(types[1], x) and self._blocks(types[2], x):
+        if self._fused and all(t in blockdot.TYPES and self._blocks(t, x) for t in types):
             return blockdot.swiglu(x, (raw("gate"), types[0]), (raw("up"), types[1]), (raw("down"), types[2]), I)
 
         def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
             return dequantize(raw(name), type_name, rows, cols, x.dtype)
 
         def linear_in(t: torch.Tensor) -> torch.Tensor:  # [T, 2I]: gate's outputs, then up's
-            if self._blocks(types[0], t) and self._blocks(types[1], t):  # t rounded once where both take it so
-                h, tq = torch.empty(t.shape[0], 2 * I), blockdot.quantize(t, types[0])
-                blockdot.matmul_q(tq, raw("gate"), types[0], I, out=h[:, :I])
-                if blockdot.act_width(types[1]) != tq[2]:
-                    tq = blockdot.quantize(t, types[1])
-                blockdot.matmul_q(tq, raw("up"), types[1], I, out=h[:, I:])
-                return h
+            if self._blocks(types[0], t) and self._blocks(types[1], t):  # as a packed matrix of two parts
+                return PackedMatrix((Part(types[0], I, raw("gate")), Part(types[1], I, raw("up"))), D).linear(t)
             gate = F.linear(t, matrix("gate", types[0], I, D))
             return torch.cat([gate, F.linear(t, matrix("up", types[1], I, D))], dim=-1)
 
         def linear_out(t: torch.Tensor) -> torch.Tensor:
             if self._blocks(types[2], t):
-                return blockdot.matmul(t, raw("down"), types[2], D)
+                return PackedMatrix.of(raw("down"), types[2], D, I).linear(t)
             return F.linear(t, matrix("down", types[2], D, I))
 
         b_in = b_out = None

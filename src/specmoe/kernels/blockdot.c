@@ -777,6 +777,119 @@ void smk_matmul_f32(const float *w, int64_t N, int64_t K, const float *x, int64_
         }
 }
 
+/* --- bfloat16 weights times float32 activations --------------------------------------------------- */
+
+/* y[m, n] = x[m] . w[n] for bfloat16 w [N, K] (rows side by side) and float32 x [M, K]: each
+ * weight widened exactly to float32 (its 16 bits above 16 zero bits), the products summed as
+ * smk_matmul_f32 sums them (16 lanes over K, fused multiply-adds in k order, a fixed tree):
+ * the float32 reference's products, in one order per output whatever M is. The activations
+ * are not rounded. AVX-512 takes rows of whole vectors (K % 16 == 0), the same operations. */
+typedef struct {
+    const uint16_t *w;
+    const float *x;
+    int64_t K, M, ldy;
+    float *y;
+    int simd;
+} Bf16;
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if SMK_VNNI
+/* A tile of up to 4 activation rows x 4 weight rows (R x C): R x C chains of fused
+ * multiply-adds side by side, each weight vector widened once and each activation vector
+ * loaded once for the tile; an output's chain is its own, in k order, whatever the tile. */
+static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_t *w, const float *x, int64_t K,
+                                                                  int R, int C, float *y, int64_t ldy) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[4], xv[4];
+        for (int c = 0; c < 4; c++)
+            if (c < C) {
+                __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + c * K + k)));
+                wv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+            }
+        for (int r = 0; r < 4; r++)
+            if (r < R) xv[r] = _mm512_loadu_ps(x + r * K + k);
+        for (int r = 0; r < 4; r++)
+            for (int c = 0; c < 4; c++)
+                if (r < R && c < C) acc[r][c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r][c]);
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < 4; c++)
+            if (r < R && c < C) y[r * ldy + c] = tree16_avx512(acc[r][c]);
+}
+#endif
+
+#if SMK_VNNI
+/* The tiles with their shapes as constants (so that the accumulators stay in registers):
+ * 4 x 4 where both are whole, else one weight row at a time against up to 4 activation rows. */
+static void bf16_tile_4x4(const uint16_t *w, const float *x, int64_t K, float *y, int64_t ldy) {
+    bf16_tile_avx512(w, x, K, 4, 4, y, ldy);
+}
+
+static void bf16_tile_rx1(const uint16_t *w, const float *x, int64_t K, int R, float *y, int64_t ldy) {
+    switch (R) {
+        case 1: bf16_tile_avx512(w, x, K, 1, 1, y, ldy); break;
+        case 2: bf16_tile_avx512(w, x, K, 2, 1, y, ldy); break;
+        case 3: bf16_tile_avx512(w, x, K, 3, 1, y, ldy); break;
+        default: bf16_tile_avx512(w, x, K, 4, 1, y, ldy); break;
+    }
+}
+#endif
+
+#define BF16_BLOCK_ROWS 32  /* 32 rows of 2,048 weights: 128 KiB, in a core's L2 */
+
+static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
+    const Bf16 *a = j->ctx;
+    int64_t K = a->K, M = a->M, ldy = a->ldy;
+#if SMK_VNNI
+    if (a->simd) {  /* weight rows in blocks that stay in cache while every activation row passes */
+        for (int64_t b0 = n0; b0 < n1; b0 += BF16_BLOCK_ROWS) {
+            int64_t b1 = b0 + BF16_BLOCK_ROWS < n1 ? b0 + BF16_BLOCK_ROWS : n1;
+            for (int64_t m = 0; m < M; m += 4) {
+                int R = M - m < 4 ? (int)(M - m) : 4;
+                const float *x = a->x + m * K;
+                float *y = a->y + m * ldy;
+                int64_t n = b0;
+                if (R == 4)
+                    for (; n + 4 <= b1; n += 4) bf16_tile_4x4(a->w + n * K, x, K, y + n, ldy);
+                for (; n < b1; n++) bf16_tile_rx1(a->w + n * K, x, K, R, y + n, ldy);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *w = a->w + n * K;
+        for (int64_t m = 0; m < M; m++) {
+            const float *x = a->x + m * K;
+            float lanes[16] = {0};
+            for (int64_t k = 0; k < K; k += 16)
+                for (int l = 0; l < 16 && k + l < K; l++) lanes[l] = fmaf(x[k + l], bf16_value(w[k + l]), lanes[l]);
+            a->y[m * ldy + n] = tree16(lanes);
+        }
+    }
+}
+
+void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy,
+                     int simd) {
+    Bf16 a = {w, x, K, M, ldy, y, simd && SMK_VNNI && K % 16 == 0};
+    Job j = {0};
+    j.N = N;
+    j.Kp = K;  /* the work per unit, for run's small-job rule */
+    j.M = M;
+    j.range = bf16_rows;
+    j.ctx = &a;
+    run(&j);
+}
+
 /* --- attention with one order of additions per query row --------------------------------------- */
 
 /* out[b, g, i] = softmax(q[b, g, i] . keys[b, g, j] * scale over the keys j that mask[b, i, j]

@@ -107,6 +107,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr,
                                i64, i64, i64, i64, ctypes.c_int]
     lib.smk_attend.restype = None
+    lib.smk_matmul_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.smk_matmul_bf16.restype = None
     return lib
 
 
@@ -182,7 +184,9 @@ def as_stored(dtype_option: str, device) -> bool:
 
 
 def computes(type_name: str) -> bool:
-    return type_name in TYPES
+    """Whether the kernels multiply weights stored as `type_name`: the block types (with
+    8-bit activations, as llama.cpp rounds them), and BF16 (float32 activations: matmul_bf16)."""
+    return type_name in TYPES or type_name == "BF16"
 
 
 def set_threads(n: int) -> None:
@@ -264,6 +268,23 @@ def matmul_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     library().lib.smk_matmul_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
                                  y.stride(0))
+    return y
+
+
+def matmul_bf16(x: torch.Tensor, raw: torch.Tensor, rows: int, out: torch.Tensor | None = None,
+                simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+    """x [M, K] float32 times W^T for bfloat16 W [rows, K] (`raw`: its bytes, or the bfloat16
+    tensor): [M, rows] float32, each weight widened exactly and the activations unrounded,
+    one order of additions per output (blockdot.c's smk_matmul_bf16)."""
+    build = build or library()
+    x = x.float().contiguous()
+    M, K = x.shape
+    if raw.numel() * raw.element_size() != rows * K * 2 or not raw.is_contiguous():
+        raise SpecMoEError(f"internal: {raw.numel() * raw.element_size()} bytes are not a contiguous {rows}x{K} "
+                           "bfloat16 matrix")
+    y = out if out is not None else torch.empty(M, rows, dtype=torch.float32)
+    build.lib.smk_matmul_bf16(raw.data_ptr(), rows, K, x.data_ptr(), M, y.data_ptr(), y.stride(0),
+                              int(build.simd if simd is None else simd))
     return y
 
 
@@ -375,7 +396,28 @@ def self_check(lib_path: str) -> dict:
                     return {"ok": False, "why": f"self-check: {t} AVX-512 and portable paths differ"}
                 if M > 1 and not torch.equal(paths[-1][-1], matmul(x[-1:], raw, t, N, build=build)[0]):
                     return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
+    why = _check_bf16(build, simd, gen)
+    if why:
+        return {"ok": False, "why": f"self-check: BF16 {why}"}
     return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
+
+
+def _check_bf16(build: Library, simd: bool, gen: torch.Generator) -> str | None:
+    """What is wrong with the build's bfloat16 products (float64 products of the same
+    values, both paths, a row alone), or None."""
+    for N, K in ((48, 512), (17, 40)):
+        w = torch.randn(N, K, generator=gen).bfloat16()
+        for M in (*CHECK_ROWS, 6):
+            x = torch.randn(M, K, generator=gen)
+            want = x.double() @ w.double().T
+            paths = [matmul_bf16(x, w, N, simd=s, build=build) for s in ((False, True) if simd else (False,))]
+            if any(float((y.double() - want).norm() / want.norm()) > TOLERANCE for y in paths):
+                return f"N={N} K={K} M={M}: not the float64 product"
+            if simd and not torch.equal(paths[0], paths[1]):
+                return "the AVX-512 and portable paths differ"
+            if M > 1 and not torch.equal(paths[-1][-1], matmul_bf16(x[-1:], w, N, build=build)[0]):
+                return f"gives a row other bits among {M} rows than alone"
+    return None
 
 
 

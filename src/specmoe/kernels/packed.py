@@ -1,7 +1,8 @@
 """A dense weight kept as its GGUF file stores it, multiplied by the block kernels.
 
 `PackedMatrix` is W [rows, cols] as one or more row ranges, each in its own block type (a
-fused q/k/v matrix of a Q4_K_M file holds Q4_K q and k rows and Q6_K v rows): the model's
+fused q/k/v matrix of a Q4_K_M file holds Q4_K q and k rows and Q6_K v rows; a bfloat16
+checkpoint's matrices are BF16, one value a "block"): the model's
 `layers.linear` multiplies it like a float matrix, quantizing the activations once for
 all parts. It holds the file's bytes and nothing else.
 """
@@ -65,12 +66,16 @@ class PackedMatrix:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, cols] -> x W^T [T, rows] in float32 (activations rounded to 8 bits per block, as
-        each part's type is multiplied: blockdot.py)."""
+        each part's type is multiplied, a BF16 part's not at all: blockdot.py)."""
         lead, flat = x.shape[:-1], x.reshape(-1, self.cols).float()
         y = torch.empty(flat.shape[0], self.rows, dtype=torch.float32)
         rounded = {}  # activations rounded once per block width the parts need
         start = 0
         for p in self.parts:
+            if p.type_name == "BF16":  # float32 activations, unrounded
+                blockdot.matmul_bf16(flat, p.raw, p.rows, out=y[:, start:start + p.rows])
+                start += p.rows
+                continue
             width = blockdot.act_width(p.type_name)
             if width not in rounded:
                 rounded[width] = blockdot.quantize(flat, p.type_name)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..base.model_config import ModelConfig
 from .attention import attend, gqa
 from .kv_cache import KVCache, LayerCacheSpec, StepBatch
+from .layers import embedding, linear
 from .moe import ExpertBackend
 from .transformer import MoETransformer
 from .weights import AttentionWeights, ModelWeights
@@ -117,7 +118,7 @@ class EncoderDecoderTransformer(MoETransformer):
         """embedding * scale + position; positions count from pad + 1, a pad token gets none."""
         s = self.config.seq2seq
         rows = torch.where(tokens == s.pad_token_id, s.pad_token_id, positions + s.pad_token_id + 1)
-        return F.embedding(tokens, table) * s.embed_scale + self.positions[rows]
+        return embedding(tokens, table) * s.embed_scale + self.positions[rows]
 
     @torch.inference_mode()
     def encode(self, slots: list[int], sources: list[list[int]], cache: EncoderDecoderCache,
@@ -150,9 +151,9 @@ class EncoderDecoderTransformer(MoETransformer):
 
     def source_attention(self, x: torch.Tensor, lw, batch: StepBatch, mask: torch.Tensor) -> torch.Tensor:
         """The encoder's self-attention: every source token sees its whole source."""
-        q, k, v = (self.heads(t) for t in F.linear(x, lw.qkv, lw.qkv_bias).chunk(3, dim=-1))  # q, k, v rows in one matrix
+        q, k, v = (self.heads(t) for t in linear(x, lw.qkv, lw.qkv_bias).chunk(3, dim=-1))  # q, k, v rows in one matrix
         out = attend(q, padded(k, batch), padded(v, batch), mask, batch, self.config.attention.scale)
-        return F.linear(out.reshape(x.shape[0], -1), lw.o, lw.o_bias)
+        return linear(out.reshape(x.shape[0], -1), lw.o, lw.o_bias)
 
     def cross_attention(self, j: int, w: AttentionWeights, x: torch.Tensor, batch: StepBatch,
                         cache: EncoderDecoderCache) -> torch.Tensor:

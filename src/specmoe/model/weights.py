@@ -110,7 +110,8 @@ class ModelWeights:
         the checkpoint stores them so (the draft multiplies them in it; exact passes widen them
         to `dtype`, the very values loading in `dtype` gives: layers.linear). `as_stored`: a
         GGUF file's matrices (embedding, attention, LM head, shared experts, dense MLPs) stay
-        in their blocks where the block kernels compute them (kernels/packed.py)."""
+        in their blocks, and a safetensors checkpoint's bfloat16 ones in bfloat16, where the
+        block kernels compute them (kernels/packed.py)."""
         c = ckpt.config
         D, V = c.hidden_size, c.vocab_size
         loader = _Loader(ckpt, device, dtype, draft_dtype, as_stored)
@@ -160,10 +161,16 @@ class _Loader:
         self.c = ckpt.config
 
     def matrix(self, role, shape, layer=None, required=True, keep=None):
-        """A matrix the model multiplies (or looks rows up in): packed in the checkpoint's
-        blocks where `as_stored` and the block kernels compute its encoding, else `get`."""
-        as_stored = self.as_stored and isinstance(self.ckpt, GGUFCheckpoint)  # only GGUF files keep blocks
-        stored = self.ckpt.stored_matrix(role, shape, layer) if as_stored else None
+        """A matrix the model multiplies (or looks rows up in): where `as_stored`, packed in
+        the checkpoint's encoding when the block kernels compute it (a GGUF file's blocks, a
+        bfloat16 tensor), else `get`."""
+        if not self.as_stored:
+            return self.get(role, shape, layer, required, keep)
+        if isinstance(self.ckpt, GGUFCheckpoint):
+            stored = self.ckpt.stored_matrix(role, shape, layer)
+        else:
+            t = self.ckpt.get(role, shape, layer, required)
+            stored = None if t is None or t.dtype != torch.bfloat16 else (t.contiguous().view(torch.uint8), "BF16")
         if stored is not None and blockdot.computes(stored[1]):
             return PackedMatrix.of(stored[0], stored[1], *shape)
         return self.get(role, shape, layer, required, keep)

@@ -23,9 +23,9 @@ class ResidentPolicy(Policy):
             hint=" (policy resident keeps every expert on the device; an offloading policy needs less)",
         )
         # each block's slots in one buffer, filled in place (no second copy on the device):
-        # float experts run as one grouped computation over it, quantized experts as one
-        # kernel call per expert on its row
-        self.grouped = isinstance(fmt, FloatFormat)
+        # float experts run as one grouped computation over it, quantized experts (and
+        # bfloat16 ones multiplied as stored) as one kernel call per expert on its row
+        self.grouped = isinstance(fmt, FloatFormat) and not fmt.as_stored
         self.experts: dict[int, torch.Tensor] = {layer: self._block(layer) for layer in c.moe_layer_ids}
         if self.grouped:
             self.views = {layer: stacked_views(stack, c.expert) for layer, stack in self.experts.items()}

@@ -13,7 +13,7 @@ from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
-from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
+from ..engine.engine import DEFAULT_MAX_MODEL_LEN, computes_as_stored, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_format, expert_format
 from ..experts.quant import draft_kernel_choices, draft_modes
@@ -61,6 +61,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     ckpt = open_checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
+    stored = computes_as_stored(dtype, ckpt, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     # what the engine loads: not a vision tower, not multi-token-prediction layers
     non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.text_names() if not ckpt.is_routed_expert(n))
@@ -83,16 +84,14 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "router": c.router.kind,
         "shared_expert": c.shared_expert_intermediate_size > 0,
         "attention": _attention_summary(c),
-        "expert_format": c.expert_quant.describe() if c.expert_quant else _float_experts(ckpt, compute_dtype),
+        "expert_format": c.expert_quant.describe() if c.expert_quant else _float_experts(ckpt, compute_dtype, stored),
         "expert_bytes": expert_bytes,
         "expert_bytes_total": expert_bytes * num_experts_total,
         "non_expert_bytes": non_expert_params * elem,
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
-    if isinstance(ckpt, GGUFCheckpoint):  # the file's encodings, per kind of tensor
-        info.update(ckpt.summary())
-        info["weights_compute"] = gguf_compute(ckpt, as_stored(dtype, resolve_device(device)))
+    info.update(_encodings(ckpt, as_stored(dtype, resolve_device(device)), stored))
     if c.seq2seq:  # the encoder runs once per request, the decoder every step (and drafts)
         info.update(
             encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),
@@ -136,6 +135,16 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
 
 
 AS_STORED = ("embedding", "attention", "lm head", "experts", "shared experts", "dense MLP")
+
+
+def _encodings(ckpt, kernels_here: bool, stored: bool) -> dict:
+    """A GGUF file's encodings per kind of tensor, and how the engine computes each."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return {**ckpt.summary(), "weights_compute": gguf_compute(ckpt, kernels_here)}
+    if stored:
+        return {"weights_compute": {"kernel": f"bfloat16 matrices and experts multiplied as stored by "
+                                              f"{blockdot.library().describe()}; norms and routers in float32"}}
+    return {}
 
 
 def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
@@ -213,9 +222,11 @@ def render_info(info: dict) -> None:
     Console().print(table)
 
 
-def _float_experts(ckpt, compute_dtype) -> str:
+def _float_experts(ckpt, compute_dtype, stored: bool) -> str:
     """Where float experts are kept in which dtype (the offload tiers may keep the checkpoint's)."""
     fmt = checkpoint_format(ckpt, compute_dtype)
     name = str(compute_dtype).removeprefix("torch.")
+    if stored:
+        return f"{ckpt.config.torch_dtype} checkpoint, multiplied as stored (float32 products, bfloat16 slots)"
     return f"{ckpt.config.torch_dtype} checkpoint, computed in {name}" + (
         f", stored and moved in {fmt.name}" if fmt.converts else "")
