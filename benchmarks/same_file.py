@@ -1,8 +1,10 @@
 """specmoe against llama.cpp on the same GGUF file, every weight in memory, as users compare
 them: the real-size model written as a float32 GGUF (tools/gguf_export.py) and quantized by
-llama.cpp's own quantizer (llama_model_quantize) to Q4_K_M, Q8_0 and BF16; greedy, held-out
-prompts, the same token ids and thread count for both, llama.cpp as it loads by default
-(weights repacked for its CPU kernels where it does so).
+llama.cpp's own quantizer (llama_model_quantize) to Q4_K_M, Q8_0 and BF16, and the bfloat16
+checkpoint itself (specmoe on the directory, llama.cpp on its BF16 file; with the peak
+resident set of a specmoe-only child process); greedy, held-out prompts, the same token ids
+and thread count for both, llama.cpp as it loads by default (weights repacked for its CPU
+kernels where it does so).
 
 For every file, batch size and thread count: both engines built once, then a warm-up and
 --rounds rounds interleaved (specmoe first in even rounds, llama.cpp first in odd ones).
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,12 +55,45 @@ def quantized_file(model_dir: Path, workdir: Path, type_name: str) -> Path:
     return out
 
 
+# Not a llama.cpp file type: the model directory itself (bfloat16 safetensors, what a Hugging
+# Face user has) for specmoe, against llama.cpp on its BF16 GGUF of the same weights.
+CHECKPOINT = "BF16-checkpoint"
+
+
+def files_for(type_name: str, model_dir: Path, workdir: Path) -> tuple[Path, Path]:
+    """(what specmoe loads, what llama.cpp loads)."""
+    if type_name == CHECKPOINT:
+        return model_dir, quantized_file(model_dir, workdir, "BF16")
+    path = quantized_file(model_dir, workdir, type_name)
+    return path, path
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def peak_rss(path: Path, batch: int, threads: int, max_tokens: int, prompts_file: Path) -> int:
+    """The peak resident set (VmHWM) of a child process that loads `path` with specmoe's
+    resident policy and generates as the rounds do: specmoe's memory alone."""
+    code = (
+        "import json, sys\n"
+        "from specmoe import LLM, SamplingParams\n"
+        "from specmoe.base.memory import peak_rss_bytes\n"
+        f"texts = [json.loads(l)['prompt'] for l in open({str(prompts_file)!r}) if l.strip()][:{batch}]\n"
+        f"llm = LLM(model={str(path)!r}, device='cpu', threads={threads}, max_batch_size={batch}, max_model_len=256)\n"
+        f"llm.generate(texts, SamplingParams(max_tokens={max_tokens}, temperature=0.0, ignore_eos=True))\n"
+        "print(peak_rss_bytes())\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1])
+
+
 def prompts_ids(file: Path, tokenizer, n: int) -> list[list[int]]:
     texts = [json.loads(line)["prompt"] for line in file.read_text().splitlines() if line.strip()][:n]
     return [tokenizer.encode(t) for t in texts]
 
 
-def measure(path: Path, batch: int, threads: int, rounds: int, max_tokens: int, prompts_file: Path) -> dict:
+def measure(path: Path, theirs_path: Path, batch: int, threads: int, rounds: int, max_tokens: int,
+            prompts_file: Path) -> dict:
     import gc
 
     import torch
@@ -72,7 +108,7 @@ def measure(path: Path, batch: int, threads: int, rounds: int, max_tokens: int, 
     ours = PolicyRunner("specmoe resident", str(path), options, [], params)
     prompts = prompts_ids(prompts_file, ours.llm.tokenizer, 2 * batch)
     ours.prompts = prompts
-    theirs = LlamaCppRunner(str(path), prompts, batch, max_tokens, threads, path.parent)
+    theirs = LlamaCppRunner(str(theirs_path), prompts, batch, max_tokens, threads, theirs_path.parent)
     runs: dict[str, list[dict]] = {"specmoe": [], "llama.cpp": []}
     try:
         for rnd in range(rounds + 1):  # round 0 warms both up
@@ -89,7 +125,8 @@ def measure(path: Path, batch: int, threads: int, rounds: int, max_tokens: int, 
     same = sum(x == y for a, b in zip(runs["specmoe"][-1]["token_ids"], runs["llama.cpp"][-1]["token_ids"])
                for x, y in zip(a, b))
     total = sum(len(a) for a in runs["specmoe"][-1]["token_ids"])
-    return {"file": path.name, "bytes": path.stat().st_size, "batch_size": batch, "threads": threads,
+    return {"file": path.name, "llama_cpp_file": theirs_path.name, "bytes": size_of(path), "batch_size": batch,
+            "threads": threads,
             "specmoe_tok_s": [r["decode_tokens_per_s"] for r in runs["specmoe"]],
             "llama_cpp_tok_s": [r["decode_tokens_per_s"] for r in runs["llama.cpp"]],
             "ratio_median": statistics.median(ratios), "ratio_low": min(ratios), "ratio_high": max(ratios),
@@ -100,7 +137,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, type=Path, help="the real-size model (benchmarks/real_size_model.py)")
     p.add_argument("--workdir", required=True, type=Path, help="where the GGUF files are written (and kept)")
-    p.add_argument("--types", default="Q4_K_M,Q8_0,BF16")
+    p.add_argument("--types", default=f"Q4_K_M,Q8_0,BF16,{CHECKPOINT}",
+                   help=f"llama.cpp file types; {CHECKPOINT}: the model directory against llama.cpp's BF16 file")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--threads", default=f"{os.cpu_count() or 1},1", help="thread counts (default: the cores, then 1)")
     p.add_argument("--rounds", type=int, default=3)
@@ -113,12 +151,14 @@ def main(argv=None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     records = []
     for type_name in args.types.split(","):
-        path = quantized_file(args.model_dir, args.workdir, type_name)
+        path, theirs = files_for(type_name, args.model_dir, args.workdir)
         for threads in (int(t) for t in args.threads.split(",")):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
                 started = time.time()
-                rec = {"type": type_name, **measure(path, batch, threads, args.rounds, args.max_tokens,
+                rec = {"type": type_name, **measure(path, theirs, batch, threads, args.rounds, args.max_tokens,
                                                     args.prompts_file)}
+                if type_name == CHECKPOINT:  # the issue's memory bound: 1.1x the checkpoint + 400 MiB
+                    rec["specmoe_peak_rss_bytes"] = peak_rss(path, batch, threads, args.max_tokens, args.prompts_file)
                 rec["seconds"] = round(time.time() - started, 1)
                 records.append(rec)
                 print(f"{type_name} B={batch} threads={threads}: specmoe {statistics.median(rec['specmoe_tok_s']):.1f} "

@@ -91,3 +91,23 @@ def test_gamma_tuner_climbs_to_the_measured_best_gamma():
     assert run(lambda g: 0.05 + 0.2 * g) <= 2
     # an optimum inside: tokens / time = (g + 1) / (0.3 + 0.02 g^2) peaks at g = 3
     assert run(lambda g: 0.3 + 0.02 * g * g, start=8) in (3, 4)
+
+
+def test_gamma_tuner_falls_back_to_plain_decoding_where_drafts_do_not_pay_and_probes_again():
+    from specmoe.engine.speculative import GammaTuner
+
+    tuner = GammaTuner(gamma=4, reprobe=10)
+    seen = []
+    for _ in range(60):  # every draft rejected: a step gives one token and costs more with gamma
+        g = tuner.gamma
+        seen.append(g)
+        tuner.update(tokens=1, seconds=0.1 + 0.05 * g)
+    assert tuner.plain_steps >= 40 and seen[-20:].count(0) >= 18
+    # once there, gamma 1 is measured again every 10 plain steps, and loses again
+    after = seen[seen.index(0):]
+    assert 1 in after and after.count(1) <= len(after) // 10 + 1
+    # drafts that start paying take it back up
+    for _ in range(30):
+        g = tuner.gamma
+        tuner.update(tokens=g + 1, seconds=0.1 + 0.01 * g)
+    assert tuner.gamma >= 2

@@ -274,3 +274,19 @@ def test_the_affinity_table_is_the_l2_distance_between_whole_experts(tiny_ckpt):
         whole = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
         want = torch.cdist(whole[None].double(), whole[None].double())[0].float()
         assert torch.allclose(table, want, rtol=1e-5, atol=1e-6) and table.diagonal().abs().max() < 1e-3
+
+
+def test_gamma_zero_is_plain_decoding_with_residents_tokens(reference, tmp_path):
+    """Where the tuner falls back (gamma 0, engine/gamma.py): no draft pass, one token a
+    sequence per step, verified by the full model: resident's tokens."""
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path)
+    llm.engine.decoder.gamma = 0
+    passes = []
+    real = llm.engine.pass_scope
+    llm.engine.pass_scope = lambda kind: passes.append(kind) or real(kind)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha and stats["acceptance_rate"] is None  # nothing drafted
+    assert "draft" not in passes and stats["steps"] == GREEDY.max_tokens - 1
+    llm.close()

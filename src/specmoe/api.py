@@ -98,6 +98,9 @@ class LLM:
             policy_stats["draft_dense"] = str(engine.draft_dense or engine.dtype).removeprefix("torch.")
         if engine.auto_plan:
             policy_stats.update(auto_choice=engine.policy.name, auto_plan=engine.auto_plan)
+        tuner = engine.decoder.tuner if engine.decoder else None
+        if tuner is not None:  # steps the tuned gamma spent at 0, plain decoding, since the engine started
+            policy_stats["plain_decoding_steps"] = tuner.plain_steps
         self.last_stats = summarize(
             policy=opts.policy, batch_size=min(opts.max_batch_size, len(seqs)), gamma=engine.gamma,
             draft_experts=getattr(engine.policy, "draft_experts", None),

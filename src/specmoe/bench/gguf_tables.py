@@ -38,13 +38,30 @@ def same_file(doc: dict) -> str:
     head = ["file (llama.cpp's quantizer)", "size", "B", "threads", "specmoe tok/s", "llama.cpp tok/s",
             "specmoe ÷ llama.cpp", f"range over {'/'.join(map(str, sorted(rounds)))} rounds", ">= 1.0 in every round",
             "tokens equal"]
-    return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows)
+    return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows) + _memory(doc["records"])
+
+
+def _memory(records: list[dict]) -> str:
+    """The bfloat16 checkpoint's rows: specmoe's peak resident set against 1.1x the
+    checkpoint + 400 MiB (the goal)."""
+    lines = []
+    for r in records:
+        if "specmoe_peak_rss_bytes" in r:
+            bound = 1.1 * r["bytes"] + (400 << 20)
+            lines.append(f"- {r['type']} (specmoe on the safetensors directory, llama.cpp on {r['llama_cpp_file']}), "
+                         f"B = {r['batch_size']}, {r['threads']} threads: specmoe's peak resident set "
+                         f"{r['specmoe_peak_rss_bytes'] / 2**30:.2f} GiB, checkpoint {r['bytes'] / 2**30:.2f} GiB, "
+                         f"bound 1.1x + 400 MiB = {bound / 2**30:.2f} GiB: "
+                         f"{'met' if r['specmoe_peak_rss_bytes'] <= bound else 'not met'}")
+    return "\n\nMemory (a child process running specmoe alone, VmHWM):\n\n" + "\n".join(lines) if lines else ""
 
 
 SAME_FILE = Section("same-file", "The same GGUF file as llama.cpp",
     "The real-size model written as a float32 GGUF file (tools/gguf_export.py) and quantized by llama.cpp's "
-    "own quantizer (`llama_model_quantize`) to Q4_K_M and Q8_0: what a llama.cpp user has. specmoe's "
-    "resident policy in its default encoding (the file's blocks multiplied as stored: docs/KERNELS.md) "
+    "own quantizer (`llama_model_quantize`) to Q4_K_M, Q8_0 and BF16: what a llama.cpp user has; and "
+    "BF16-checkpoint: specmoe on the bfloat16 safetensors directory against llama.cpp on that BF16 file. "
+    "specmoe's resident policy in its default encoding (the file's blocks, or bfloat16, multiplied as "
+    "stored: docs/KERNELS.md) "
     "against llama.cpp on the same file (llama-cpp-python, weights repacked for its CPU kernels as it does "
     "by default, its batch API at B > 1), every weight in memory, greedy, held-out prompts, the same token "
     "ids and thread count for both; at the machine's cores and at one thread. Both engines are built once, "
@@ -54,7 +71,7 @@ SAME_FILE = Section("same-file", "The same GGUF file as llama.cpp",
     "llama.cpp does; its float sums run in another order, and llama.cpp's kernels change with the batch, so "
     "a near tie can go either way and the sequence then differs).",
     (Run("same-file.json", f"{REAL_SIZE_MODEL} && python benchmarks/same_file.py --model-dir "
-         "{out}/real-size-k8-m16 --workdir {out}/real-size-gguf --types Q4_K_M,Q8_0 --json {out}/same-file.json",
+         "{out}/real-size-k8-m16 --workdir {out}/real-size-gguf --json {out}/same-file.json",
          f"{REAL_SIZE_SMOKE_MODEL} && python benchmarks/same_file.py --model-dir {{out}}/real-size-k2-m2 "
          "--workdir {out}/real-size-gguf-smoke --types Q8_0 --batch-sizes 1 --threads 1 --rounds 1 "
          "--max-tokens 4 --json {out}/same-file.json"),),

@@ -19,7 +19,8 @@ from .sampling import target_probs
 
 
 class SpeculativeDecoder:
-    """Owns gamma: fixed, or (`tune`) adapted to measured tokens/s by a GammaTuner."""
+    """Owns gamma: fixed, or (`tune`) adapted to measured tokens/s by a GammaTuner, down to
+    0 (plain decoding) where speculation does not pay."""
 
     def __init__(self, engine, gamma: int, tune: bool = False):
         self.engine = engine
@@ -77,11 +78,13 @@ class SpeculativeDecoder:
         return produced
 
     def _draft(self, seqs, lengths):
-        """gamma autoregressive steps with the draft experts only."""
+        """gamma autoregressive steps with the draft experts only (none at gamma 0: plain decoding)."""
         engine = self.engine
         drafts = [[] for _ in seqs]
         probs = [[] for _ in seqs]
         current = [s.pending for s in seqs]
+        if max(lengths, default=0) == 0:
+            return drafts, probs
         with engine.pass_scope("draft") as experts:
             for k in range(max(lengths, default=0)):
                 active = [i for i, g in enumerate(lengths) if g > k]
