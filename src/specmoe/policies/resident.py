@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..base.memory import release_free_memory
 from ..experts.formats import FloatFormat
 from ..model.moe import (Routing, dispatch, expert_views, group_by_expert, grouped_experts, one_token,
                          one_token_experts, sort_picks, stacked_views)
@@ -37,6 +38,10 @@ class ResidentPolicy(Policy):
         stack = torch.empty((self.config.num_experts, fmt.slot_numel), dtype=fmt.slot_dtype, device=rt.device)
         for e in range(self.config.num_experts):
             fmt.prepare(fmt.read(rt.checkpoint, layer, e), stack[e])
+            # the expert was read into a temporary, which the allocator keeps once freed: given
+            # back at once, building the model peaks near what it holds (the real-size
+            # bfloat16 model: 4.08 GiB before, 3.75 after)
+            release_free_memory()
         return stack
 
     def run_moe(self, layer: int, x: torch.Tensor, routing: Routing) -> torch.Tensor:
