@@ -168,17 +168,20 @@ class _Loader:
             return self.get(role, shape, layer, required, keep)
         if isinstance(self.ckpt, GGUFCheckpoint):
             stored = self.ckpt.stored_matrix(role, shape, layer)
-        else:
-            t = self.ckpt.get(role, shape, layer, required)
-            stored = None if t is None or t.dtype != torch.bfloat16 else (t.contiguous().view(torch.uint8), "BF16")
-        if stored is not None and blockdot.computes(stored[1]):
-            return PackedMatrix.of(stored[0], stored[1], *shape)
-        return self.get(role, shape, layer, required, keep)
+            if stored is not None and blockdot.computes(stored[1]):
+                return PackedMatrix.of(stored[0], stored[1], *shape)
+            return self.get(role, shape, layer, required, keep)
+        t = self.ckpt.get(role, shape, layer, required)  # read once, kept as stored or placed
+        if t is not None and t.dtype == torch.bfloat16:
+            return PackedMatrix.of(t.contiguous().view(torch.uint8), "BF16", *shape)
+        return self._placed(t, keep)
 
     def get(self, role, shape, layer=None, required=True, keep=None):
         """The tensor on the device in the compute dtype; in `keep` instead where the
         checkpoint stores it in that dtype."""
-        t = self.ckpt.get(role, shape, layer, required)
+        return self._placed(self.ckpt.get(role, shape, layer, required), keep)
+
+    def _placed(self, t, keep=None):
         if t is None:
             return None
         return t.to(device=self.device, dtype=keep if keep is not None and t.dtype == keep else self.dtype)
