@@ -206,13 +206,16 @@ def test_attention_on_the_avx512_and_portable_paths_gives_the_same_bits(d):
 @pytest.mark.parametrize("K", [2048, 40])  # 40: not whole vectors (the portable lanes on every path)
 def test_bfloat16_weights_give_the_float32_product_and_a_row_the_same_bits_alone_and_among_others(K):
     gen = torch.Generator().manual_seed(14)
-    w, x = torch.randn(48, K, generator=gen).bfloat16(), torch.randn(19, K, generator=gen)
-    full = blockdot.matmul_bf16(x, w, 48)
-    want = x.double() @ w.double().T
+    w, x = torch.randn(48, K, generator=gen).bfloat16(), torch.randn(1088, K, generator=gen)
+    full = blockdot.matmul_bf16(x[:19], w, 48)
+    want = x[:19].double() @ w.double().T
     assert ((full - want).norm() / want.norm()) < 1e-6  # float32 rounding of the exact products only
     for m in (0, 5, 18):  # rows in blocks of four, and the tail
         assert torch.equal(full[m], blockdot.matmul_bf16(x[m:m + 1], w, 48)[0])
-    assert torch.equal(full, blockdot.matmul_bf16(x, w, 48, simd=False))
+    assert torch.equal(full, blockdot.matmul_bf16(x[:19], w, 48, simd=False))
+    alone = blockdot.matmul_bf16(x[:1], w, 48)[0]
+    for rows in (2, 3, 16, 17, 64, 272, 1088):  # one row's bits inside calls of 2 to 1088 rows
+        assert torch.equal(blockdot.matmul_bf16(x[:rows], w, 48)[0], alone), rows
 
 
 def test_the_routers_float_product_gives_a_row_the_same_bits_alone_and_among_others():
