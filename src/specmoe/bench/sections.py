@@ -221,6 +221,7 @@ SECTIONS = (
                  "--json {out}/quantized.json"),),
             lambda docs: tables.quantized_models(docs["quantized.json"])),
     gguf_tables.SAME_FILE,
+    gguf_tables.GGUF_DISK,
     Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
             "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
             "out (the Q4_K file keeps the experts' 128-wide down projections in Q5_0, as llama.cpp falls back). "
