@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from specmoe.bench import report, summary
 from specmoe.bench.report import section_block
-from specmoe.bench.sections import COMMANDS_FILE, SECTIONS, keep_documents, render
+from specmoe.bench.sections import COMMANDS_FILE, SECTIONS, keep_documents, render, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 KEPT = ROOT / "benchmarks" / "results"
@@ -112,4 +113,45 @@ def test_the_figure_check_sees_a_figure_in_prose():
 
 
 def test_every_section_on_the_page_is_one_that_run_all_runs():
-    assert set(BEGIN.findall(PAGE.read_text())) <= {s.name for s in SECTIONS}
+    assert set(BEGIN.findall(PAGE.read_text())) <= {s.name for s in SECTIONS} | {summary.SUMMARY}
+
+
+def _entries(results: Path):
+    return summary.headlines(SECTIONS, [results])
+
+
+def test_the_page_opens_with_its_summary_rendered_from_the_committed_documents():
+    page = PAGE.read_text()
+    assert page.split("\n")[2] == report.BEGIN.format(summary.SUMMARY)  # under the title, before any section
+    assert section_block(page, summary.SUMMARY) == summary.page_summary(_entries(KEPT))
+
+
+def test_a_changed_figure_changes_the_summary_and_readmes_table(tmp_path):
+    for path in KEPT.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    doc = json.loads((tmp_path / "same-file.json").read_text())
+    row = next(r for r in doc["records"] if r["type"] == "Q4_K_M")
+    row["ratio_median"], row["ratio_low"] = 0.5, 0.4
+    (tmp_path / "same-file.json").write_text(json.dumps(doc))
+    changed = _entries(tmp_path)
+    assert summary.page_summary(changed) != summary.page_summary(_entries(KEPT))
+    assert "0.50x" in summary.front_table(changed) and "not met" in summary.front_table(changed)
+
+
+def test_write_report_puts_the_summary_at_the_top_and_rewrites_readmes_table(tmp_path):
+    page, readme = tmp_path / "BENCHMARKS.md", tmp_path / "README.md"
+    page.write_text("# Benchmarks\n\nHand-written.\n")
+    readme.write_text(f"# x\n\n{report.BEGIN.format(summary.HEADLINES)}\nold\n{report.END.format(summary.HEADLINES)}\n")
+    write_report(KEPT, page)
+    text = page.read_text()
+    assert text.startswith(f"# Benchmarks\n\n{report.BEGIN.format(summary.SUMMARY)}\n## Summary")
+    assert text.index("Hand-written.") < text.index(report.BEGIN.format("same-file"))
+    assert section_block(readme.read_text(), summary.HEADLINES) == summary.front_table(_entries(KEPT))
+    write_report(KEPT, page)  # a second time: the same page, one summary
+    assert page.read_text() == text
+
+
+def test_slug_is_githubs_heading_anchor():
+    assert summary.slug("The same GGUF file as llama.cpp") == "the-same-gguf-file-as-llamacpp"
+    assert summary.slug("Real size: every policy's start-up and memory") == "real-size-every-policys-start-up-and-memory"
+    assert summary.slug("`--policy auto` against the best fixed policy") == "--policy-auto-against-the-best-fixed-policy"

@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import draft_memory, draft_split, gguf_tables, replicas, report, tables, translate, validate
+from . import draft_memory, draft_split, gguf_tables, replicas, report, summary, tables, translate, validate
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
+KEPT = Path("benchmarks") / "results"  # beside BENCHMARKS.md: the documents committed with it
 
 
 def _bench(name: str, extra: Callable[[dict], str] | None = None) -> Callable[[dict[str, dict]], str]:
@@ -80,7 +81,8 @@ SECTIONS = (
             (Run("real-size-runs.json", f"python benchmarks/real_size_runs.py --startup-against {STARTUP_BASE} "
                  "--json {out}/real-size-runs.json", f"python benchmarks/real_size_runs.py --smoke --startup-against "
                  f"{STARTUP_BASE} --rounds 1 --json {{out}}/real-size-runs.json"),),
-            lambda docs: tables.real_size_runs(docs["real-size-runs.json"])),
+            lambda docs: tables.real_size_runs(docs["real-size-runs.json"]),
+            lambda docs: tables.real_size_runs_headlines(docs["real-size-runs.json"])),
     Section("real-size", "Real size: every policy and the engines users would pick, at real dimensions",
             "The real-size model (benchmarks/real_size_model.py: the demo model widened without changing its "
             "function, 8x in hidden size and heads, 16x in expert width: hidden 2048, 24 MiB bf16 experts, 3.2 GiB; "
@@ -114,7 +116,8 @@ SECTIONS = (
                           + "\n### B = 64\n\n" + report.markdown(docs["real-size-64.json"], "real-size", heading=False)
                           + "\n### The goals, each a ratio within one run\n\n"
                           + tables.real_size_goals([docs["real-size.json"], docs["real-size-64.json"]],
-                                                   docs["real-size-paper.json"]))),
+                                                   docs["real-size-paper.json"])),
+            lambda docs: tables.real_size_headlines([docs["real-size.json"], docs["real-size-64.json"]])),
     Section("real-size-drafts", "Real size: the paper's draft at B = 64, and the draft's bfloat16 projections",
             "The real-size model, disk tier at 30 %, held-out prompts, one torch thread. First the paper's draft "
             "(`--draft-quant none`) beside ondemand at B = 64, 32 tokens (B = 1 and 16: the section above). Then "
@@ -183,7 +186,7 @@ SECTIONS = (
                  "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces",
                  f"specmoe bench --quick --batch-sizes 1,4 {BENCH_SMOKE} --policies "
                  "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces"),),
-            _bench("grid.json", _grid_extra)),
+            _bench("grid.json", _grid_extra), lambda docs: tables.auto_headlines(docs["grid.json"])),
     Section("validation", "The performance model against the grid",
             "Every (policy, B) of the grid predicted from the calibrated profile, the model's shape, the workload "
             "seen in the grid's traces (routing fitted to the resident trace, the specmoe trace's acceptance, "
@@ -433,6 +436,7 @@ def write_report(results: Path, markdown: Path) -> list[str]:
     yet is appended, in this module's order, with a note when it has no figures; one
     already in the file whose documents are not in `results` keeps what the file has, so
     re-running a few sections into a fresh results dir loses no other section's figures);
+    then the summary at the page's top and README's headline table beside it (summary.py);
     returns the sections rewritten with figures."""
     measured = []
     for section in SECTIONS:
@@ -442,4 +446,6 @@ def write_report(results: Path, markdown: Path) -> list[str]:
         report.update_markdown(markdown, section.name, render(section, results))
         if complete:
             measured.append(section.name)
+    # the summary's rows: each section's documents from `results`, else from those committed beside the page
+    summary.write_summaries(markdown, SECTIONS, [results, markdown.parent / KEPT])
     return measured

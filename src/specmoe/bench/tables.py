@@ -8,6 +8,7 @@ Every figure printed here is read from, or computed from, the document it is giv
 from __future__ import annotations
 
 from .report import md_table
+from .section import Headline
 
 
 def _f(v, fmt="{:.1f}", none="–"):
@@ -31,12 +32,12 @@ def breakdown(doc: dict, batch: int) -> str:
 AUTO_GOAL = 0.95  # auto's measured tokens/s over the best fixed policy's, at every batch size (#37)
 
 
-def auto_against_fixed(doc: dict) -> str:
-    """Per batch size: every fixed offloading policy, `auto` with its plan, auto / best fixed
-    and whether that meets AUTO_GOAL."""
+def _auto_points(doc: dict) -> tuple[list[str], list[tuple[int, dict, dict[str, float], str, float]]]:
+    """(the fixed offloading policies that ran, [(B, auto's record, each fixed policy's tok/s,
+    the best of them, auto / best)] for each batch size where auto and one of them ran)."""
     fixed = [p for p in ("ondemand", "overlap", "caching", "host", "specmoe")
              if any(r["policy"] == p for r in doc["records"])]
-    rows = []
+    points = []
     for b in sorted({r["batch_size"] for r in doc["records"]}):
         at = {r["policy"]: r for r in doc["records"] if r["batch_size"] == b and not r.get("skipped")}
         auto = at.get("auto")
@@ -44,8 +45,22 @@ def auto_against_fixed(doc: dict) -> str:
         if auto is None or not speeds:
             continue
         best = max(speeds, key=speeds.get)
+        points.append((b, auto, speeds, best, auto["decode_tokens_per_s"] / speeds[best]))
+    return fixed, points
+
+
+def auto_headlines(doc: dict) -> list[Headline]:
+    return [Headline(f"demo model: `--policy auto` ÷ the best fixed policy ({best}), B = {b}", ratio, AUTO_GOAL,
+                     ratio >= AUTO_GOAL) for b, _, _, best, ratio in _auto_points(doc)[1]]
+
+
+def auto_against_fixed(doc: dict) -> str:
+    """Per batch size: every fixed offloading policy, `auto` with its plan, auto / best fixed
+    and whether that meets AUTO_GOAL."""
+    fixed, points = _auto_points(doc)
+    rows = []
+    for b, auto, speeds, best, ratio in points:
         plan = f"{auto['decode_tokens_per_s']:.1f} ({auto.get('auto_plan')}; final γ {auto.get('gamma')})"
-        ratio = auto["decode_tokens_per_s"] / speeds[best]
         rows.append([str(b), *[(f"**{speeds[p]:.1f}**" if p == best else _f(speeds.get(p))) for p in fixed], plan,
                      f"{ratio:.2f}", "met" if ratio >= AUTO_GOAL else "not met"])
     if not rows:
@@ -347,14 +362,33 @@ def _startup_medians(rounds: list[dict], field: str, groups: tuple) -> tuple[dic
 WARM_STARTUP_GOAL = 1.5  # SpecMoE's start-up from warm caches at most this many times ondemand's
 
 
+def _warm_ratio(rounds: list[dict] | None) -> tuple[dict, float] | None:
+    """(each policy's start-up times, SpecMoE's median over ondemand's); None where no run
+    or a failed one."""
+    if not rounds:
+        return None
+    times, median = _startup_medians(rounds, "policy", ("ondemand", "specmoe"))
+    if not all(times.values()) or any(r["exit_status"] != 0 for r in rounds):
+        return None
+    return times, median["specmoe"] / median["ondemand"]
+
+
+def real_size_runs_headlines(doc: dict) -> list[Headline]:
+    warm = _warm_ratio(doc.get("warm_startup"))
+    if warm is None:
+        return []
+    return [Headline("real-size model: SpecMoE's start-up from warm caches ÷ ondemand's (medians)", warm[1],
+                     WARM_STARTUP_GOAL, warm[1] <= WARM_STARTUP_GOAL, at_most=True)]
+
+
 def _warm_startup(rounds: list[dict] | None) -> str:
     """SpecMoE's start-up from warm caches against ondemand's, rounds alternating: medians."""
     if not rounds:
         return ""
-    times, median = _startup_medians(rounds, "policy", ("ondemand", "specmoe"))
-    if not all(times.values()) or any(r["exit_status"] != 0 for r in rounds):
+    warm = _warm_ratio(rounds)
+    if warm is None:
         return f"\nStart-up from warm caches: a run failed ({[r['exit_status'] for r in rounds]}).\n"
-    ratio = median["specmoe"] / median["ondemand"]
+    times, ratio = warm
     return (f"\nStart-up from warm caches, ondemand and SpecMoE in turn, {len(times['specmoe'])} rounds (4 tokens): "
             f"SpecMoE {', '.join(f'{t:.1f}' for t in times['specmoe'])} s against ondemand's "
             f"{', '.join(f'{t:.1f}' for t in times['ondemand'])} s: {ratio:.2f}x (median against median; goal "
@@ -384,8 +418,21 @@ def _speeds(doc: dict) -> dict[tuple[str, int], dict]:
     return {(r.get("anchor") or r["policy"], r["batch_size"]): r for r in recs}
 
 
-def _goal_row(what: str, at: dict, num: tuple[str, int], den: tuple[str, int], goal: float | None) -> list[str]:
-    a, b = at.get(num), at.get(den)
+def _real_size_goals(at: dict) -> list[tuple[str, dict | None, dict | None, float | None, bool]]:
+    """(figure, its record, the record it is divided by, goal, on README's table) for each
+    real-size goal; a record is None where it did not run."""
+    goals = []
+    for b in (1, 16):
+        goals.append((f"resident ÷ llama.cpp, B = {b}", ("resident", b), ("llama.cpp", b), 1.0, False))
+        goals.append((f"resident ÷ transformers, B = {b}", ("resident", b), ("transformers", b), None, False))
+    for b, goal in ((1, None), (16, 4.0), (64, 2.5)):
+        goals.append((f"specmoe (disk, 30 %) ÷ ondemand, B = {b}", ("specmoe", b), ("ondemand", b), goal, goal is not None))
+    goals.append(("specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16", ("specmoe", 16), ("llama.cpp", 16), 1.0,
+                  False))
+    return [(what, at.get(num), at.get(den), goal, front) for what, num, den, goal, front in goals]
+
+
+def _goal_row(what: str, a: dict | None, b: dict | None, goal: float | None) -> list[str]:
     if a is None or b is None:
         return [what, "–", "–", "–", _f(goal, "{:.1f}x"), "not measured"]
     ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
@@ -393,19 +440,27 @@ def _goal_row(what: str, at: dict, num: tuple[str, int], den: tuple[str, int], g
     return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x", _f(goal, "{:.1f}x"), met]
 
 
+def _real_size_at(grids: list[dict]) -> dict:
+    return {key: r for grid in grids for key, r in _speeds(grid).items()}  # each batch size from one document
+
+
+def real_size_headlines(grids: list[dict]) -> list[Headline]:
+    """The real-size goals that ran, for the summary (README's: SpecMoE against ondemand)."""
+    out = []
+    for what, a, b, goal, front in _real_size_goals(_real_size_at(grids)):
+        if a is not None and b is not None:
+            ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+            out.append(Headline(f"real-size model: {what}", ratio, goal, None if goal is None else ratio >= goal,
+                                front=front))
+    return out
+
+
 def real_size_goals(grids: list[dict], paper: dict) -> str:
     """Each of the real-size goals as a ratio of two figures of one run, then the paper's
     draft beside the default (each against its own run's ondemand). Peak RSS per policy is
     the real-size-runs section's (one process a policy: a bench process's peak only grows)."""
-    at = {key: r for grid in grids for key, r in _speeds(grid).items()}  # each batch size from one document
-    rows = []
-    for b in (1, 16):
-        rows.append(_goal_row(f"resident ÷ llama.cpp, B = {b}", at, ("resident", b), ("llama.cpp", b), 1.0))
-        rows.append(_goal_row(f"resident ÷ transformers, B = {b}", at, ("resident", b), ("transformers", b), None))
-    for b, goal in ((1, None), (16, 4.0), (64, 2.5)):
-        rows.append(_goal_row(f"specmoe (disk, 30 %) ÷ ondemand, B = {b}", at, ("specmoe", b), ("ondemand", b), goal))
-    rows.append(_goal_row("specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16", at, ("specmoe", 16),
-                          ("llama.cpp", 16), 1.0))
+    at = _real_size_at(grids)
+    rows = [_goal_row(what, a, b, goal) for what, a, b, goal, _ in _real_size_goals(at)]
     text = md_table(["figure", "tok/s", "against tok/s", "ratio", "goal", "met"], rows) + "\n"
     theirs = _speeds(paper)
     drafts = []
