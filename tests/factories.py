@@ -199,7 +199,7 @@ _FAMILY_SPECS.update({
     ),
     # sparsemixer top-2 (eps 0.3: several experts inside the threshold), LayerNorm, q/k/v/o
     # biases, LongRoPE with its own cos/sin scale (the tests stay inside its 128 pre-training
-    # positions: past them transformers switches the scale for the whole batch, see README)
+    # positions: past them transformers switches the scale for the whole batch, see docs/MODELS.md)
     "phimoe": (
         "PhimoeConfig",
         "PhimoeForCausalLM",

@@ -126,6 +126,29 @@ def test_the_page_opens_with_its_summary_rendered_from_the_committed_documents()
     assert section_block(page, summary.SUMMARY) == summary.page_summary(_entries(KEPT))
 
 
+def test_readmes_headline_table_is_rendered_from_the_committed_documents():
+    readme = (ROOT / "README.md").read_text()
+    assert section_block(readme, summary.HEADLINES) == summary.front_table(_entries(KEPT))
+
+
+def test_readmes_rows_are_llama_cpp_on_the_same_file_and_specmoe_against_ondemand():
+    front = section_block((ROOT / "README.md").read_text(), summary.HEADLINES)
+    for name in ("same-file", "gguf-disk", "real-size"):
+        title = next(s.title for s in SECTIONS if s.name == name)
+        assert f"(BENCHMARKS.md#{summary.slug(title)})" in front
+
+
+def test_the_summary_names_every_section_with_ratios_and_links_to_headings_on_the_page():
+    page = PAGE.read_text()
+    headings = {summary.slug(line.lstrip("#").strip()) for line in page.splitlines() if line.startswith("## ")}
+    block = section_block(page, summary.SUMMARY)
+    links = re.findall(r"\]\(#([^)]+)\)", block)
+    assert links and set(links) <= headings
+    for section, rows, _ in _entries(KEPT):
+        assert f"(#{summary.slug(section.title)})" in block
+        assert all(f"| {h.what} |" in block for h in rows)
+
+
 def test_a_changed_figure_changes_the_summary_and_readmes_table(tmp_path):
     for path in KEPT.iterdir():
         shutil.copy(path, tmp_path / path.name)

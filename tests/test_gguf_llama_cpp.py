@@ -22,7 +22,7 @@ Tolerances (log-probabilities over the 128-token vocabulary, measured on these m
   held to 0.15 and the agreement to 80%. A wrong layout is far outside
   these: a file without the q/k permutation, or GPT-OSS's SwiGLU limit not the one
   llama.cpp uses, differs by more than 1 at most positions.
-Phi-3.5-MoE is not compared: llama.cpp's phimoe graph computes another model (README).
+Phi-3.5-MoE is not compared: llama.cpp's phimoe graph computes another model (docs/MODELS.md).
 The 256-wide models (K-quants' blocks) are drawn with std scaled by sqrt(64 / width), so
 that their activations are the 64-wide ones' size (at the factories' std, Q8_0 itself
 differs by a median of 0.3 there).

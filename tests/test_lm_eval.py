@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against `specmoe serve`, as the README tells users to run it.
+"""lm-evaluation-harness against `specmoe serve`, as docs/EVALUATION.md tells users to run it.
 
 `specmoe serve` runs the demo model with SpecMoE (experts offloaded, 30 % of them fit);
 lm-eval's `local-completions` model, with nothing but the server's URL and model name,
