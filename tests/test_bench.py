@@ -43,8 +43,9 @@ def prompts_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quick_run(tiny_ckpt, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
+    # a fixed gamma (3: every step drafts what 4 tokens leave): the performance model predicts one gamma's steps
     code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--quick", "--repeats", "1", "--batch-sizes", "1,4",
-                 "--max-tokens", "4", "--prompts-file", str(prompts_file), "--offload-dir", str(out / "offload"), "--threads", "1",
+                 "--max-tokens", "4", "--gamma", "3", "--prompts-file", str(prompts_file), "--offload-dir", str(out / "offload"), "--threads", "1",
                  "--json", str(out / "out.json"), "--plot", str(out / "out.png"), "--trace-dir", str(out / "traces")])
     return code, out
 
@@ -331,8 +332,10 @@ def test_the_report_rewrites_each_section_from_its_saved_json(saved_results, tmp
     measured = sections.write_report(saved_results, page)
     text = page.read_text()
     assert measured == ["machine", "grid", "projections"]
-    assert text.startswith("# Benchmarks\n\nhand-written intro\n")
-    assert [line for line in text.splitlines() if line.startswith("## ")] == [f"## {s.title}" for s in sections.SECTIONS]
+    assert text.startswith(f"# Benchmarks\n\n{report.BEGIN.format('summary')}\n## Summary\n")  # the summary opens the page
+    assert text.index("hand-written intro") < text.index(report.BEGIN.format(sections.SECTIONS[0].name))
+    assert [line for line in text.splitlines() if line.startswith("## ")] == ["## Summary",
+                                                                             *[f"## {s.title}" for s in sections.SECTIONS]]
     grid = json.loads((saved_results / "grid.json").read_text())
     spec4 = next(r for r in grid["records"] if r["policy"] == "specmoe" and r["batch_size"] == 4)
     assert f"| 4 | specmoe | {spec4['decode_tokens_per_s']:.1f} |" in text  # the figure is the document's
@@ -424,7 +427,7 @@ def test_the_eval_and_ui_sections_are_made_from_their_documents():
 def test_the_real_size_goals_are_ratios_of_one_runs_figures():
     """Each goal row divides two records of the same document; a figure not measured says
     so instead of passing; the paper's draft is set against its own run's ondemand."""
-    from specmoe.bench import tables
+    from specmoe.bench import real_size
 
     def rec(policy, b, tps, step=1.0, anchor=None):
         r = {"policy": policy, "kind": "anchor" if anchor else "policy", "batch_size": b, "decode_tokens_per_s": tps,
@@ -435,7 +438,7 @@ def test_the_real_size_goals_are_ratios_of_one_runs_figures():
                         rec("resident", 16, 40.0)],
             "anchors": [rec("llama.cpp", 1, 12.5, anchor=True), rec("llama.cpp", 16, 20.0, anchor=True)]}
     paper = {"records": [rec("ondemand", 16, 4.0), rec("specmoe", 16, 3.0, 3.25)], "anchors": []}
-    text = tables.real_size_goals([grid, {"records": [], "anchors": []}], paper)
+    text = real_size.real_size_goals([grid, {"records": [], "anchors": []}], paper)
     assert "| resident ÷ llama.cpp, B = 1 | 10.0 | 12.5 | 0.80x | 1.0x | no |" in text
     assert "| resident ÷ llama.cpp, B = 16 | 40.0 | 20.0 | 2.00x | 1.0x | yes |" in text
     assert "| specmoe (disk, 30 %) ÷ ondemand, B = 16 | 22.0 | 5.0 | 4.40x | 4.0x | yes |" in text

@@ -9,7 +9,7 @@ import random
 from ..experts.quant import BITS
 from ..policies.specmoe.allocation import pick_cost
 from .report import md_table
-from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Headline, Run, Section, ablation_run
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .rerun import same_holdings
 from .tables import _f
 
@@ -89,39 +89,21 @@ def best_single(at: dict[str, dict]) -> str | None:
     return max(singles, key=lambda w: singles[w]["tokens_per_step"], default=None)
 
 
-def _goal_points(docs: list[dict]):
-    """Each point where the allocator ran: (B, draft memory, ondemand's record, the
-    allocator's, the best single format, its record, the paper's draft's record, allocated
-    ÷ best single and ÷ paper in tokens per step; None where that one did not run)."""
+def goal_points(docs: list[dict]):
+    """Each point where the allocator ran: (B, draft memory, ondemand's record, the allocator's,
+    the best single format, its record, the paper's draft's record, allocated ÷ best single
+    and ÷ paper in tokens per step; None where that one did not run)."""
     for doc in docs:
         batch, base, points = draft_memory_points(doc)
         for share in sorted({s for s, _ in points}):
             at = ways_at(points, share)
-            mine = at.get("allocated")
-            best = best_single(at)
+            mine, best = at.get("allocated"), best_single(at)
             top, paper = at.get(best), at.get("paper")
             if mine is None:
                 continue
             vs_best = mine["tokens_per_step"] / top["tokens_per_step"] if top else None
             vs_paper = mine["tokens_per_step"] / paper["tokens_per_step"] if paper else None
             yield batch, share, base, mine, best, top, paper, vs_best, vs_paper
-
-
-def draft_memory_headlines(docs: dict[str, dict]) -> list[Headline]:
-    """Per model, the allocator against the best single format at its lowest point (the
-    goal: at least 1.0x at every point; the section says what more prompts gave)."""
-    out = []
-    for model, names in (("demo model", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
-                         ("translation model", [f"draft-memory-translate-{b}.json" for b in (1, 16, 64)]),
-                         ("real-size model", [f"draft-memory-real-size-{b}-{share}.json"
-                                              for b, share, _, _ in REAL_SIZE_POINTS])):
-        ratios = [p[7] for p in _goal_points([docs[n] for n in names if n in docs]) if p[7] is not None]
-        if ratios:
-            met = sum(r >= 1.0 for r in ratios)
-            out.append(Headline(f"{model}: the allocator's draft ÷ the best single copy format, tokens per step, "
-                                "lowest point", min(ratios), 1.0, met == len(ratios),
-                                spread=f"{met} of {len(ratios)} points at 1.0x or more"))
-    return out
 
 
 def draft_memory_goals(docs: list[dict], samples: dict[int, dict] | None = None) -> str:
@@ -133,13 +115,11 @@ def draft_memory_goals(docs: list[dict], samples: dict[int, dict] | None = None)
     and the point ran again with more prompts (`samples`: those runs by batch size), the
     table says what they gave: a curve's few prompts cannot tell ways a few % apart."""
     rows = []
-    for batch, share, base, mine, best, top, paper, vs_best, vs_paper in _goal_points(docs):
-        def x_ondemand(r):
-            return f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if r and base else "–"
-
+    for batch, share, base, mine, best, top, paper, vs_best, vs_paper in goal_points(docs):
+        x_ondemand = f"{mine['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x" if base else "–"
         met = "yes" if vs_best is not None and vs_best >= 1.0 else _short_of_best((samples or {}).get(batch), share)
         rows.append([str(batch), f"{share:.0%}", _f(mine["tokens_per_step"], "{:.2f}"),
-                     _f(mine.get("acceptance_rate"), "{:.2f}"), x_ondemand(mine),
+                     _f(mine.get("acceptance_rate"), "{:.2f}"), x_ondemand,
                      f"{best} {_f(top['tokens_per_step'], '{:.2f}')}" if top else "–",
                      _f(vs_best, "{:.3f}x"), met,
                      _f(paper["tokens_per_step"], "{:.2f}") if paper else "does not fit",
@@ -467,4 +447,4 @@ SECTION = Section("draft-memory", "The draft under a memory budget",
                         f"python benchmarks/pick_costs.py {options}--num-prompts 4 --max-tokens 8 "
                         f"--json {{out}}/{name}")
                     for name, options in PICK_COSTS_RUNS),
-            draft_memory_section, draft_memory_headlines)
+            draft_memory_section)

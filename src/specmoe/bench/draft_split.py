@@ -6,7 +6,7 @@ split `--draft-memory auto` chose, against the curve's best point (goal: within 
 from __future__ import annotations
 
 from .report import _spread, md_table
-from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Headline, Run, Section, ablation_run
+from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, ablation_run
 from .rerun import ablation_records, same_holdings
 from .tables import _f
 
@@ -44,7 +44,7 @@ def split_table(doc: dict) -> str:
                       "× ondemand"], rows)
     if planner is None or not curve:
         return table + "\n"
-    best, ratio, same, met = planner_against_best(planner, curve)
+    best, ratio, same, _ = planner_against_best(planner, curve)
     verdict = "met" if ratio >= SPLIT_GOAL else ("met: the best point's draft and pool" if same else "not met")
     goal = md_table(["B", "planner's choice", "planner tok/s", "best point", "planner ÷ best",
                      "same draft and pool as the best point", f"≥ {SPLIT_GOAL}"],
@@ -63,20 +63,6 @@ def planner_against_best(planner: dict, curve: list[dict]) -> tuple[dict, float,
     # the best of many noisy runs is biased upwards: a planner that chose the best point's very
     # draft and pool chose that point, whatever its own run measured
     return best, ratio, same, ratio >= SPLIT_GOAL or same
-
-
-def split_headlines(docs: dict[str, dict]) -> list[Headline]:
-    out = []
-    for model, name in (("demo model", "draft-split-1.json"), ("demo model", "draft-split-16.json"),
-                        ("demo model", "draft-split-64.json"), ("real-size model", "draft-split-real-size-16.json")):
-        if name not in docs:
-            continue
-        batch, _, planner, curve = split_points(docs[name])
-        if planner is not None and curve:
-            _, ratio, same, met = planner_against_best(planner, curve)
-            out.append(Headline(f"{model}: the planner's draft split ÷ the curve's best point, B = {batch}", ratio,
-                                SPLIT_GOAL, met, spread="the best point's draft and pool" if same else ""))
-    return out
 
 
 def _holding(r: dict) -> tuple | None:
@@ -169,4 +155,4 @@ SECTION = Section(
          REAL_SIZE_SMOKE_MODEL + " && specmoe bench --model {out}/real-size-k2-m2 --no-grid --ablation draft-split "
          f"--ablation-draft-memory 70% --ablation-draft-ways allocated --ablation-batch-size 2 {BENCH_SMOKE} "
          f"--anchors none --json {{out}}/{REAL_SIZE_AGAIN}")),
-    draft_split_section, split_headlines)
+    draft_split_section)

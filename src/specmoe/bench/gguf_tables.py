@@ -10,7 +10,7 @@ import statistics
 from .machine import describe
 from . import report
 from .report import md_table
-from .section import REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Headline, Run, Section
+from .section import REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section
 from .tables import models_speeds
 
 
@@ -40,17 +40,6 @@ def same_file(doc: dict) -> str:
             "specmoe ÷ llama.cpp", f"range over {'/'.join(map(str, sorted(rounds)))} rounds", ">= 1.0 in every round",
             "tokens equal"]
     return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows) + _memory(doc["records"])
-
-
-def same_file_headlines(docs: dict[str, dict]) -> list[Headline]:
-    """Each file and batch size at the most threads measured (the machine's cores); the
-    Q4_K_M rows are README's."""
-    records = docs["same-file.json"]["records"]
-    most = max((r["threads"] for r in records), default=0)
-    return [Headline(f"specmoe ÷ llama.cpp, the same {r['type']} file, every weight in memory, B = {r['batch_size']} "
-                     f"({r['threads']} threads)", r["ratio_median"], 1.0, r["ratio_low"] >= 1.0,
-                     spread=f"rounds {r['ratio_low']:.2f}-{r['ratio_high']:.2f}", front=r["type"] == "Q4_K_M")
-            for r in records if r["threads"] == most]
 
 
 def _memory(records: list[dict]) -> str:
@@ -87,31 +76,13 @@ SAME_FILE = Section("same-file", "The same GGUF file as llama.cpp",
          f"{REAL_SIZE_SMOKE_MODEL} && python benchmarks/same_file.py --model-dir {{out}}/real-size-k2-m2 "
          "--workdir {out}/real-size-gguf-smoke --types Q8_0 --batch-sizes 1 --threads 1 --rounds 1 "
          "--max-tokens 4 --json {out}/same-file.json"),),
-    lambda docs: same_file(docs["same-file.json"]), same_file_headlines)
+    lambda docs: same_file(docs["same-file.json"]))
 
 
 GGUF_DISK_GOALS = {30: 1.0, 50: 3.0}  # SpecMoE ÷ ondemand at each share of the experts: every repeat against every one
 
 
-def _repeats(record: dict, which: str) -> float:
-    """A run's slowest or fastest repeat in decode tokens/s (its one figure when it ran once)."""
-    return (record.get("over_repeats") or {}).get("decode_tokens_per_s", {}).get(which, record["decode_tokens_per_s"])
-
-
-def gguf_disk_headlines(docs: dict[str, dict]) -> list[Headline]:
-    out = []
-    for share, goal in GGUF_DISK_GOALS.items():
-        doc = docs.get(f"gguf-disk-{share}.json")
-        at = {r["policy"]: r for r in (doc or {}).get("records", []) if not r.get("skipped")}
-        if "specmoe" not in at or "ondemand" not in at:
-            continue
-        ours, theirs = at["specmoe"], at["ondemand"]
-        low = _repeats(ours, "min") / _repeats(theirs, "max")
-        out.append(Headline(f"SpecMoE ÷ ondemand, the Q4_K_M file on the disk tier at {share} % of its experts, "
-                            f"B = {ours['batch_size']}", ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
-                            goal, low >= goal, spread=f"slowest SpecMoE repeat ÷ fastest ondemand one: {low:.2f}",
-                            front=True))
-    return out
+GGUF_DISK_GOALS = {30: 1.0, 50: 3.0}  # SpecMoE ÷ ondemand at each share of the experts: every repeat against every one
 
 
 def _disk_run(share: int) -> Run:
@@ -133,5 +104,4 @@ GGUF_DISK = Section("gguf-disk", "SpecMoE on the Q4_K_M file, offloaded to disk,
     "than every ondemand one by that factor (the range column).",
     (_disk_run(30), _disk_run(50)),
     lambda docs: "\n".join(report.markdown(docs[name], name, heading=False)
-                           for name in ("gguf-disk-30.json", "gguf-disk-50.json") if name in docs),
-    gguf_disk_headlines)
+                           for name in ("gguf-disk-30.json", "gguf-disk-50.json") if name in docs))

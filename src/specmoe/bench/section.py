@@ -1,6 +1,5 @@
-"""What BENCHMARKS.md's sections are made of: the commands that measure one (`Run`), the
-section itself, rendered from their documents (`Section`; the list: sections.py), and the
-ratios it reports with their goals (`Headline`: the page's summary and README's table)."""
+"""What BENCHMARKS.md's sections are made of: the commands that measure one (`Run`) and
+the section itself, rendered from their documents (`Section`; the list: sections.py)."""
 
 from __future__ import annotations
 
@@ -40,23 +39,9 @@ class Run:
 
 
 @dataclass(frozen=True)
-class Headline:
-    """One ratio a section measured within one run, for the summary at the top of
-    BENCHMARKS.md; `front`: also a row of README's headline table."""
-    what: str
-    ratio: float
-    goal: float | None = None  # what the section aims at: at least this (at most, where `at_most`)
-    met: bool | None = None  # by the section's own rule (which may ask more than the median: every round)
-    spread: str = ""  # e.g. "rounds 0.59-0.69"
-    front: bool = False
-    at_most: bool = False
-
-
-@dataclass(frozen=True)
 class Section:
     name: str  # marker name in BENCHMARKS.md
     title: str
     about: str
     runs: tuple[Run, ...]
     render: Callable[[dict[str, dict]], str]  # {output: document} -> markdown
-    headlines: Callable[[dict[str, dict]], list[Headline]] | None = None  # {output: document} -> its ratios

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import draft_memory, draft_split, gguf_tables, replicas, report, summary, tables, translate, validate
+from . import draft_memory, draft_split, gguf_tables, real_size, replicas, report, summary, tables, translate, validate
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
@@ -81,8 +81,7 @@ SECTIONS = (
             (Run("real-size-runs.json", f"python benchmarks/real_size_runs.py --startup-against {STARTUP_BASE} "
                  "--json {out}/real-size-runs.json", f"python benchmarks/real_size_runs.py --smoke --startup-against "
                  f"{STARTUP_BASE} --rounds 1 --json {{out}}/real-size-runs.json"),),
-            lambda docs: tables.real_size_runs(docs["real-size-runs.json"]),
-            lambda docs: tables.real_size_runs_headlines(docs["real-size-runs.json"])),
+            lambda docs: tables.real_size_runs(docs["real-size-runs.json"])),
     Section("real-size", "Real size: every policy and the engines users would pick, at real dimensions",
             "The real-size model (benchmarks/real_size_model.py: the demo model widened without changing its "
             "function, 8x in hidden size and heads, 16x in expert width: hidden 2048, 24 MiB bf16 experts, 3.2 GiB; "
@@ -115,9 +114,8 @@ SECTIONS = (
             lambda docs: (report.markdown(docs["real-size.json"], "real-size", heading=False)
                           + "\n### B = 64\n\n" + report.markdown(docs["real-size-64.json"], "real-size", heading=False)
                           + "\n### The goals, each a ratio within one run\n\n"
-                          + tables.real_size_goals([docs["real-size.json"], docs["real-size-64.json"]],
-                                                   docs["real-size-paper.json"])),
-            lambda docs: tables.real_size_headlines([docs["real-size.json"], docs["real-size-64.json"]])),
+                          + real_size.real_size_goals([docs["real-size.json"], docs["real-size-64.json"]],
+                                                      docs["real-size-paper.json"]))),
     Section("real-size-drafts", "Real size: the paper's draft at B = 64, and the draft's bfloat16 projections",
             "The real-size model, disk tier at 30 %, held-out prompts, one torch thread. First the paper's draft "
             "(`--draft-quant none`) beside ondemand at B = 64, 32 tokens (B = 1 and 16: the section above). Then "
@@ -186,7 +184,7 @@ SECTIONS = (
                  "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces",
                  f"specmoe bench --quick --batch-sizes 1,4 {BENCH_SMOKE} --policies "
                  "resident,ondemand,overlap,caching,specmoe,auto --json {out}/grid.json --trace-dir {out}/traces"),),
-            _bench("grid.json", _grid_extra), lambda docs: tables.auto_headlines(docs["grid.json"])),
+            _bench("grid.json", _grid_extra)),
     Section("validation", "The performance model against the grid",
             "Every (policy, B) of the grid predicted from the calibrated profile, the model's shape, the workload "
             "seen in the grid's traces (routing fitted to the resident trace, the specmoe trace's acceptance, "

@@ -1,6 +1,6 @@
 """The summary at the top of BENCHMARKS.md and the headline table of README.md, both made
-from the sections' own documents (each section's `headlines`), so that re-rendering the
-page keeps them true. Each row is a ratio measured within one run, with its goal and a
+from the sections' own documents (headlines.py), so that re-rendering the page keeps them
+true. Each row is a ratio measured within one run, with its goal and a
 link to the section that shows the command, the machine and every figure behind it."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 
 from .report import BEGIN, END, has_section, md_table, update_markdown
-from .section import Headline, Section
+from .headlines import BY_SECTION, Headline
+from .section import Section
 
 SUMMARY = "summary"  # the marker name of the page's summary (report.BEGIN / END)
 HEADLINES = "headlines"  # the marker name of README's headline table
-FRONT_ORDER = ("same-file", "gguf-disk", "real-size")  # README's rows: these sections first, in this order
 
 
 def slug(title: str) -> str:
@@ -32,13 +32,13 @@ def documents(section: Section, dirs: list[Path]) -> dict[str, dict] | None:
 
 def headlines(sections, dirs: list[Path]) -> list[tuple[Section, list[Headline], dict | None]]:
     """(section, its ratios, the machine its documents name) for every section with ratios
-    whose documents are in `dirs`: README's sections first (FRONT_ORDER), then the others."""
-    order = {name: i for i, name in enumerate(FRONT_ORDER)}
+    whose documents are in `dirs`, in BY_SECTION's order (README's sections first)."""
+    by_name = {s.name: s for s in sections}
     out = []
-    for section in sorted(sections, key=lambda s: order.get(s.name, len(order))):
-        if section.headlines is None or (docs := documents(section, dirs)) is None:
+    for name, ratios in BY_SECTION.items():
+        if (section := by_name.get(name)) is None or (docs := documents(section, dirs)) is None:
             continue
-        rows = section.headlines(docs)
+        rows = ratios(docs)
         if rows:
             machine = next((d["machine"] for d in docs.values() if isinstance(d, dict) and "machine" in d), None)
             out.append((section, rows, machine))

@@ -8,7 +8,6 @@ Every figure printed here is read from, or computed from, the document it is giv
 from __future__ import annotations
 
 from .report import md_table
-from .section import Headline
 
 
 def _f(v, fmt="{:.1f}", none="–"):
@@ -32,7 +31,7 @@ def breakdown(doc: dict, batch: int) -> str:
 AUTO_GOAL = 0.95  # auto's measured tokens/s over the best fixed policy's, at every batch size (#37)
 
 
-def _auto_points(doc: dict) -> tuple[list[str], list[tuple[int, dict, dict[str, float], str, float]]]:
+def auto_points(doc: dict) -> tuple[list[str], list[tuple[int, dict, dict[str, float], str, float]]]:
     """(the fixed offloading policies that ran, [(B, auto's record, each fixed policy's tok/s,
     the best of them, auto / best)] for each batch size where auto and one of them ran)."""
     fixed = [p for p in ("ondemand", "overlap", "caching", "host", "specmoe")
@@ -49,15 +48,10 @@ def _auto_points(doc: dict) -> tuple[list[str], list[tuple[int, dict, dict[str, 
     return fixed, points
 
 
-def auto_headlines(doc: dict) -> list[Headline]:
-    return [Headline(f"demo model: `--policy auto` ÷ the best fixed policy ({best}), B = {b}", ratio, AUTO_GOAL,
-                     ratio >= AUTO_GOAL) for b, _, _, best, ratio in _auto_points(doc)[1]]
-
-
 def auto_against_fixed(doc: dict) -> str:
     """Per batch size: every fixed offloading policy, `auto` with its plan, auto / best fixed
     and whether that meets AUTO_GOAL."""
-    fixed, points = _auto_points(doc)
+    fixed, points = auto_points(doc)
     rows = []
     for b, auto, speeds, best, ratio in points:
         plan = f"{auto['decode_tokens_per_s']:.1f} ({auto.get('auto_plan')}; final γ {auto.get('gamma')})"
@@ -362,7 +356,7 @@ def _startup_medians(rounds: list[dict], field: str, groups: tuple) -> tuple[dic
 WARM_STARTUP_GOAL = 1.5  # SpecMoE's start-up from warm caches at most this many times ondemand's
 
 
-def _warm_ratio(rounds: list[dict] | None) -> tuple[dict, float] | None:
+def warm_ratio(rounds: list[dict] | None) -> tuple[dict, float] | None:
     """(each policy's start-up times, SpecMoE's median over ondemand's); None where no run
     or a failed one."""
     if not rounds:
@@ -373,19 +367,11 @@ def _warm_ratio(rounds: list[dict] | None) -> tuple[dict, float] | None:
     return times, median["specmoe"] / median["ondemand"]
 
 
-def real_size_runs_headlines(doc: dict) -> list[Headline]:
-    warm = _warm_ratio(doc.get("warm_startup"))
-    if warm is None:
-        return []
-    return [Headline("real-size model: SpecMoE's start-up from warm caches ÷ ondemand's (medians)", warm[1],
-                     WARM_STARTUP_GOAL, warm[1] <= WARM_STARTUP_GOAL, at_most=True)]
-
-
 def _warm_startup(rounds: list[dict] | None) -> str:
     """SpecMoE's start-up from warm caches against ondemand's, rounds alternating: medians."""
     if not rounds:
         return ""
-    warm = _warm_ratio(rounds)
+    warm = warm_ratio(rounds)
     if warm is None:
         return f"\nStart-up from warm caches: a run failed ({[r['exit_status'] for r in rounds]}).\n"
     times, ratio = warm
@@ -407,76 +393,3 @@ def _startup_against(against: dict | None) -> str:
             f"rounds: {', '.join(f'{t:.0f}' for t in times['this tree'])} s against "
             f"{', '.join(f'{t:.0f}' for t in times[rev])} s: {median[rev] / median['this tree']:.2f}x as fast "
             f"(median against median). A fresh cache dir includes the fused kernels' one-time self-check.\n")
-
-
-# --- the real-size section ----------------------------------------------------------------------------
-
-
-def _speeds(doc: dict) -> dict[tuple[str, int], dict]:
-    """(policy or anchor, B) -> its record, skipped runs left out."""
-    recs = [r for r in doc["records"] + doc.get("anchors", []) if not r.get("skipped")]
-    return {(r.get("anchor") or r["policy"], r["batch_size"]): r for r in recs}
-
-
-def _real_size_goals(at: dict) -> list[tuple[str, dict | None, dict | None, float | None, bool]]:
-    """(figure, its record, the record it is divided by, goal, on README's table) for each
-    real-size goal; a record is None where it did not run."""
-    goals = []
-    for b in (1, 16):
-        goals.append((f"resident ÷ llama.cpp, B = {b}", ("resident", b), ("llama.cpp", b), 1.0, False))
-        goals.append((f"resident ÷ transformers, B = {b}", ("resident", b), ("transformers", b), None, False))
-    for b, goal in ((1, None), (16, 4.0), (64, 2.5)):
-        goals.append((f"specmoe (disk, 30 %) ÷ ondemand, B = {b}", ("specmoe", b), ("ondemand", b), goal, goal is not None))
-    goals.append(("specmoe (disk, 30 %) ÷ llama.cpp (all in memory), B = 16", ("specmoe", 16), ("llama.cpp", 16), 1.0,
-                  False))
-    return [(what, at.get(num), at.get(den), goal, front) for what, num, den, goal, front in goals]
-
-
-def _goal_row(what: str, a: dict | None, b: dict | None, goal: float | None) -> list[str]:
-    if a is None or b is None:
-        return [what, "–", "–", "–", _f(goal, "{:.1f}x"), "not measured"]
-    ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-    met = "–" if goal is None else ("yes" if ratio >= goal else "no")
-    return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x", _f(goal, "{:.1f}x"), met]
-
-
-def _real_size_at(grids: list[dict]) -> dict:
-    return {key: r for grid in grids for key, r in _speeds(grid).items()}  # each batch size from one document
-
-
-def real_size_headlines(grids: list[dict]) -> list[Headline]:
-    """The real-size goals that ran, for the summary (README's: SpecMoE against ondemand)."""
-    out = []
-    for what, a, b, goal, front in _real_size_goals(_real_size_at(grids)):
-        if a is not None and b is not None:
-            ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-            out.append(Headline(f"real-size model: {what}", ratio, goal, None if goal is None else ratio >= goal,
-                                front=front))
-    return out
-
-
-def real_size_goals(grids: list[dict], paper: dict) -> str:
-    """Each of the real-size goals as a ratio of two figures of one run, then the paper's
-    draft beside the default (each against its own run's ondemand). Peak RSS per policy is
-    the real-size-runs section's (one process a policy: a bench process's peak only grows)."""
-    at = _real_size_at(grids)
-    rows = [_goal_row(what, a, b, goal) for what, a, b, goal, _ in _real_size_goals(at)]
-    text = md_table(["figure", "tok/s", "against tok/s", "ratio", "goal", "met"], rows) + "\n"
-    theirs = _speeds(paper)
-    drafts = []
-    for b in sorted({key[1] for key in at}):
-        default, own, base, own_base = at.get(("specmoe", b)), theirs.get(("specmoe", b)), at.get(
-            ("ondemand", b)), theirs.get(("ondemand", b))
-        if not (default and own and base and own_base):
-            continue
-        drafts.append([str(b), _f(default["decode_tokens_per_s"]), _f(default["tokens_per_step"], "{:.2f}"),
-                       f"{default['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}x",
-                       _f(own["decode_tokens_per_s"]), _f(own["tokens_per_step"], "{:.2f}"),
-                       f"{own['decode_tokens_per_s'] / own_base['decode_tokens_per_s']:.2f}x"])
-    if drafts:
-        text += ("\nQuantized copies of every expert (`--draft-quant auto`'s rule, the default draft when measured) "
-                 "against the paper's (`--draft-quant none`: resident full-precision draft experts and substitutes), each against "
-                 "ondemand in its own run:\n\n" + md_table(
-                     ["B", "default tok/s", "tok/step", "× ondemand", "paper's tok/s", "tok/step", "× ondemand"],
-                     drafts) + "\n")
-    return text

@@ -1,0 +1,115 @@
+"""The ratios BENCHMARKS.md's sections report with their goals, for the summary at the
+top of the page and README's headline table (summary.py): each computed from the
+section's documents by the same code as the section's own tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import draft_memory, draft_split, gguf_tables, real_size, tables
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One ratio a section measured within one run; `front`: also a row of README's table."""
+    what: str
+    ratio: float
+    goal: float | None = None  # what the section aims at: at least this (at most, where `at_most`)
+    met: bool | None = None  # by the section's own rule (which may ask more than the median: every round)
+    spread: str = ""  # e.g. "rounds 0.59-0.69"
+    front: bool = False
+    at_most: bool = False
+
+
+def grid(docs: dict[str, dict]) -> list[Headline]:
+    return [Headline(f"demo model: `--policy auto` ÷ the best fixed policy ({best}), B = {b}", ratio, tables.AUTO_GOAL,
+                     ratio >= tables.AUTO_GOAL) for b, _, _, best, ratio in tables.auto_points(docs["grid.json"])[1]]
+
+
+def real_size_runs(docs: dict[str, dict]) -> list[Headline]:
+    warm = tables.warm_ratio(docs["real-size-runs.json"].get("warm_startup"))
+    if warm is None:
+        return []
+    return [Headline("real-size model: SpecMoE's start-up from warm caches ÷ ondemand's (medians)", warm[1],
+                     tables.WARM_STARTUP_GOAL, warm[1] <= tables.WARM_STARTUP_GOAL, at_most=True)]
+
+
+def real_size_section(docs: dict[str, dict]) -> list[Headline]:
+    """The real-size goals that ran, for the summary (README's: SpecMoE against ondemand)."""
+    out, at = [], real_size.records_at([docs["real-size.json"], docs["real-size-64.json"]])
+    for what, a, b, goal, front in real_size.goal_figures(at):
+        if a is not None and b is not None:
+            ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+            out.append(Headline(f"real-size model: {what}", ratio, goal, None if goal is None else ratio >= goal,
+                                front=front))
+    return out
+
+
+def draft_memory_section(docs: dict[str, dict]) -> list[Headline]:
+    """Per model, the allocator against the best single format at its lowest point (the
+    goal: at least 1.0x at every point; the section says what more prompts gave)."""
+    out = []
+    for model, names in (("demo model", [f"draft-memory-{b}.json" for b in (1, 16, 64)]),
+                         ("translation model", [f"draft-memory-translate-{b}.json" for b in (1, 16, 64)]),
+                         ("real-size model", [f"draft-memory-real-size-{b}-{share}.json"
+                                              for b, share, _, _ in draft_memory.REAL_SIZE_POINTS])):
+        ratios = [p[7] for p in draft_memory.goal_points([docs[n] for n in names if n in docs]) if p[7] is not None]
+        if ratios:
+            met = sum(r >= 1.0 for r in ratios)
+            out.append(Headline(f"{model}: the allocator's draft ÷ the best single copy format, tokens per step, "
+                                "lowest point", min(ratios), 1.0, met == len(ratios),
+                                spread=f"{met} of {len(ratios)} points at 1.0x or more"))
+    return out
+
+
+def draft_split_section(docs: dict[str, dict]) -> list[Headline]:
+    out = []
+    for model, name in (("demo model", "draft-split-1.json"), ("demo model", "draft-split-16.json"),
+                        ("demo model", "draft-split-64.json"), ("real-size model", "draft-split-real-size-16.json")):
+        if name not in docs:
+            continue
+        batch, _, planner, curve = draft_split.split_points(docs[name])
+        if planner is not None and curve:
+            _, ratio, same, met = draft_split.planner_against_best(planner, curve)
+            out.append(Headline(f"{model}: the planner's draft split ÷ the curve's best point, B = {batch}", ratio,
+                                draft_split.SPLIT_GOAL, met, spread="the best point's draft and pool" if same else ""))
+    return out
+
+
+def same_file(docs: dict[str, dict]) -> list[Headline]:
+    """Each file and batch size at the most threads measured (the machine's cores); the
+    Q4_K_M rows are README's."""
+    records = docs["same-file.json"]["records"]
+    most = max((r["threads"] for r in records), default=0)
+    return [Headline(f"specmoe ÷ llama.cpp, the same {r['type']} file, every weight in memory, B = {r['batch_size']} "
+                     f"({r['threads']} threads)", r["ratio_median"], 1.0, r["ratio_low"] >= 1.0,
+                     spread=f"rounds {r['ratio_low']:.2f}-{r['ratio_high']:.2f}", front=r["type"] == "Q4_K_M")
+            for r in records if r["threads"] == most]
+
+
+def _repeats(record: dict, which: str) -> float:
+    """A run's slowest or fastest repeat in decode tokens/s (its one figure when it ran once)."""
+    return (record.get("over_repeats") or {}).get("decode_tokens_per_s", {}).get(which, record["decode_tokens_per_s"])
+
+
+def gguf_disk(docs: dict[str, dict]) -> list[Headline]:
+    out = []
+    for share, goal in gguf_tables.GGUF_DISK_GOALS.items():
+        doc = docs.get(f"gguf-disk-{share}.json")
+        at = {r["policy"]: r for r in (doc or {}).get("records", []) if not r.get("skipped")}
+        if "specmoe" not in at or "ondemand" not in at:
+            continue
+        ours, theirs = at["specmoe"], at["ondemand"]
+        low = _repeats(ours, "min") / _repeats(theirs, "max")
+        out.append(Headline(f"SpecMoE ÷ ondemand, the Q4_K_M file on the disk tier at {share} % of its experts, "
+                            f"B = {ours['batch_size']}", ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+                            goal, low >= goal, spread=f"slowest SpecMoE repeat ÷ fastest ondemand one: {low:.2f}",
+                            front=True))
+    return out
+
+
+# section name -> its ratios from its documents ({output: document}), in the page's summary order
+BY_SECTION: dict[str, Callable[[dict[str, dict]], list[Headline]]] = {
+    "same-file": same_file, "gguf-disk": gguf_disk, "real-size": real_size_section, "real-size-runs": real_size_runs,
+    "grid": grid, "draft-split": draft_split_section, "draft-memory": draft_memory_section}
