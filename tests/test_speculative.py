@@ -280,7 +280,7 @@ def test_gamma_zero_is_plain_decoding_with_residents_tokens(reference, tmp_path)
     """Where the tuner falls back (gamma 0, engine/gamma.py): no draft pass, one token a
     sequence per step, verified by the full model: resident's tokens."""
     path, prompts, sha, budget, _ = reference
-    llm = spec_llm(path, budget, tmp_path)
+    llm = spec_llm(path, budget, tmp_path, adapt_gamma=False)  # gamma stays where the test puts it
     llm.engine.decoder.gamma = 0
     passes = []
     real = llm.engine.pass_scope
@@ -289,4 +289,20 @@ def test_gamma_zero_is_plain_decoding_with_residents_tokens(reference, tmp_path)
     stats = llm.last_stats
     assert stats["token_ids_sha256"] == sha and stats["acceptance_rate"] is None  # nothing drafted
     assert "draft" not in passes and stats["steps"] == GREEDY.max_tokens - 1
+    llm.close()
+
+
+def test_by_default_gamma_adapts_and_the_statistics_say_how_many_steps_decoded_plainly(reference, tmp_path):
+    """Without a gamma asked for, the second step measures plain decoding (engine/gamma.py)
+    and each later step's gamma is chosen: resident's tokens all the same."""
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path)
+    assert llm.options.adapt_gamma
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    assert stats["plain_decoding_steps"] >= 1 and stats["steps"] >= 3
+    fixed = spec_llm(path, budget, tmp_path / "fixed", gamma=4)
+    assert not fixed.options.adapt_gamma and fixed.engine.decoder.tuner is None  # a gamma asked for is kept
+    fixed.close()
     llm.close()

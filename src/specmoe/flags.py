@@ -37,8 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "
                    "+ 30%% of all expert bytes")
     p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
-    p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
-                   help=f"draft tokens per speculative step (specmoe; default {EngineConfig.gamma})")
+    p.add_argument("--gamma", type=int,
+                   help=f"draft tokens in every speculative step (specmoe; default: {EngineConfig.gamma} in the first, "
+                   "then chosen each step from measured acceptance and pass times, down to plain decoding where "
+                   "drafts do not pay)")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (specmoe; default from the budget)")
     p.add_argument("--draft-set", default="temporal-hot", help="temporal-hot | global-hot | random")
     p.add_argument("--substitution", default="affinity", help="affinity | random")
@@ -66,7 +68,8 @@ def engine_options(args, max_batch_size: int) -> dict:
         device=args.device, dtype=args.dtype, policy=args.policy, offload=args.offload,
         offload_dir=args.offload_dir, offload_bandwidth=args.offload_bandwidth,
         device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
-        gamma=args.gamma, draft_experts=args.draft_experts, draft_set=args.draft_set,
+        gamma=EngineConfig.gamma if args.gamma is None else args.gamma, adapt_gamma=args.gamma is None,
+        draft_experts=args.draft_experts, draft_set=args.draft_set,
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,
         draft_dense=args.draft_dense, draft_memory=args.draft_memory,
         cache_fraction=args.cache_fraction, trace=args.trace, threads=args.threads,

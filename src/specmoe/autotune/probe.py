@@ -88,7 +88,7 @@ def _run(model_dir: Path, threads: int | None, workdir: Path, policy: str, batch
     trace = workdir / f"{policy}-{batch}-{length}.jsonl"
     # the disk tier's expert file where the engine keeps it (`offload_dir`, else the cache
     # dir), not a fresh one: a file just written may still sit in a cache below the guest
-    opts = dict(policy=policy, device="cpu", threads=threads, max_batch_size=batch, offload="disk",
+    opts = dict(policy=policy, device="cpu", threads=threads, max_batch_size=batch, offload="disk", adapt_gamma=False,
                 offload_dir=offload_dir, max_model_len=length + PROBE_TOKENS + 1)
     if warm_up:  # first-touch allocations, page faults, the disk tier's file: not measured
         _generate(model_dir, EngineConfig(**opts), _prompts(batch, length))

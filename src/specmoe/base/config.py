@@ -56,6 +56,11 @@ class EngineConfig:
     # dense precision at real size"): at B = 64, the batches SpecMoE is for, 16 was 1.10x 32's tokens/s;
     # at B = 1 and 16, 32 was 1.24x and 1.27x 16's (--gamma 32, or --policy auto, which tunes it)
     gamma: int = 16
+    # gamma above is the first step's; each next one is chosen from the acceptance and pass times
+    # measured so far (engine/gamma.py), down to 0, plain decoding, where drafts do not pay.
+    # False: every step drafts gamma tokens (what asking for a gamma means: `--gamma N`,
+    # LLM(gamma=N); from_kwargs sets it)
+    adapt_gamma: bool = True
     draft_experts: int | None = None  # None: chosen from the budget
     draft_set: str = "temporal-hot"
     substitution: str = "affinity"
@@ -91,6 +96,8 @@ class EngineConfig:
             object.__setattr__(self, "draft_memory", parse_size(self.draft_memory, "draft_memory"))
         if self.offload_bandwidth is not None:
             object.__setattr__(self, "offload_bandwidth", parse_rate(self.offload_bandwidth))
+        if not isinstance(self.adapt_gamma, bool):
+            raise SpecMoEError(f"adapt_gamma must be True or False, got {self.adapt_gamma!r}")
         for name in ("max_batch_size", "gamma"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -145,6 +152,8 @@ class EngineConfig:
         for key in kwargs:
             if key not in known:
                 raise SpecMoEError(f"unknown engine option {key!r}; known options: {', '.join(sorted(known))}")
+        if "gamma" in kwargs and "adapt_gamma" not in kwargs:
+            kwargs["adapt_gamma"] = False  # a gamma asked for is every step's, as `--gamma N` on the command line
         return cls(**kwargs)
 
 

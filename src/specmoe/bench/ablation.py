@@ -89,7 +89,7 @@ def variants(name: str, num_experts: int, gamma: int, quick: bool, gammas: list[
     if name == "gamma":
         # 1 to 10 one by one, then the long drafts that pay where verification is transfer-bound
         gs = gammas or ((1, 3, 5, 10) if quick else (*range(1, 11), 16, 24, MAX_GAMMA))
-        return [Variant(f"gamma={g}", {"gamma": g}, {"gamma": g}) for g in gs]
+        return [Variant(f"gamma={g}", {"gamma": g, "adapt_gamma": False}, {"gamma": g}) for g in gs]
     if name == "draft-compute":
         return [Variant(f"draft on {c}", {"draft_compute": c, **PAPER_DRAFT}, {"draft_compute": c}) for c in ("device", "host")]
     if name == "draft-quant":

@@ -63,8 +63,9 @@ def register(subparsers) -> None:
                    help="start after the file's first N prompts: another sample of the same prompts (default 0)")
     p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt (default {DEFAULT_MAX_TOKENS}; --quick: {QUICK_MAX_TOKENS})")
     p.add_argument("--repeats", type=int, help=f"timed runs per policy after one warm-up (default {DEFAULT_REPEATS}; --quick: {QUICK_REPEATS})")
-    p.add_argument("--gamma", type=int, default=EngineConfig.gamma,
-                   help=f"draft tokens per speculative step (default {EngineConfig.gamma})")
+    p.add_argument("--gamma", type=int,
+                   help=f"draft tokens in every speculative step (default: {EngineConfig.gamma} in the first, then "
+                   "chosen each step from measured acceptance and pass times, as `specmoe generate` does)")
     p.add_argument("--draft-experts", type=int, help="draft experts per MoE block (default: from the budget)")
     p.add_argument("--draft-quant", help="specmoe's draft: none (the paper's: resident experts + substitutes) | auto | "
                    "int8 | int4 (quantized copies of every expert); default: the engine's")
@@ -107,7 +108,8 @@ class Settings:
     expert_fraction: float
     max_tokens: int
     repeats: int
-    gamma: int
+    gamma: int  # the first step's gamma (every step's where adapt_gamma is False)
+    adapt_gamma: bool
     draft_experts: int | None
     draft_quant: str | None
     device: str
@@ -201,7 +203,8 @@ def settings_from_args(args) -> Settings:
     batch_sizes = parse_batch_sizes(args.batch_sizes) if args.batch_sizes else list(QUICK_BATCH_SIZES if quick else DEFAULT_BATCH_SIZES)
     max_tokens = _positive(args.max_tokens if args.max_tokens is not None else (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS), "--max-tokens")
     repeats = _positive(args.repeats if args.repeats is not None else (QUICK_REPEATS if quick else DEFAULT_REPEATS), "--repeats")
-    gamma = _positive(args.gamma, "--gamma")
+    adapt_gamma = args.gamma is None
+    gamma = EngineConfig.gamma if adapt_gamma else _positive(args.gamma, "--gamma")
     draft_experts = _positive(args.draft_experts, "--draft-experts") if args.draft_experts is not None else None
     if args.threads is not None:
         _positive(args.threads, "--threads")
@@ -249,7 +252,7 @@ def settings_from_args(args) -> Settings:
         batch_sizes=batch_sizes, offload=args.offload, offload_dir=args.offload_dir,
         offload_bandwidth=args.offload_bandwidth, device_memory=device_memory, expert_fraction=fraction,
         max_tokens=max_tokens,
-        repeats=repeats, gamma=gamma, draft_experts=draft_experts, draft_quant=args.draft_quant, device=args.device, dtype=args.dtype,
+        repeats=repeats, gamma=gamma, adapt_gamma=adapt_gamma, draft_experts=draft_experts, draft_quant=args.draft_quant, device=args.device, dtype=args.dtype,
         quick=quick, ablations=ablations, ablation_batch_size=_positive(args.ablation_batch_size, "--ablation-batch-size"),
         grid=not args.no_grid, anchors=parse_anchors(args.anchors), trace_dir=args.trace_dir, threads=args.threads,
         prompt_batches=_positive(args.prompt_batches, "--prompt-batches"),

@@ -233,7 +233,7 @@ def config_lines(doc: dict) -> list[str]:
         f"{m['dtype']}; non-expert {m['non_expert_bytes'] / 2**20:.1f} MiB, experts {m['expert_bytes_total'] / 2**20:.1f} MiB)",
         f"prompts: {c['prompts_file']} (first {c.get('prompt_batches', 2)} x B of {c['num_prompts_in_file']}"
         f"{_after_skipped(c)}), {c['max_tokens']} tokens each, greedy, EOS ignored; "
-        f"tier: {tier}; gamma {c['gamma']}; {c['repeats']} repeat(s) after 1 warm-up, {order}",
+        f"tier: {tier}; gamma {c['gamma']}{' first, then chosen each step' if c.get('adapt_gamma') else ''}; {c['repeats']} repeat(s) after 1 warm-up, {order}",
         f"budget: {c['budget_rule']}" + (f" ({budgets})" if budgets else ""),
         *filter(None, [direct_io_line(doc)]),
         f"command: {c['command']}",

@@ -93,7 +93,7 @@ class Suite:
         opts = dict(
             device=s.device, dtype=s.dtype, policy=policy, offload=s.offload, offload_dir=s.offload_dir,
             offload_bandwidth=s.offload_bandwidth, device_memory=None if policy == "resident" else budget,
-            max_batch_size=batch, max_model_len=max_len, gamma=s.gamma, draft_experts=s.draft_experts,
+            max_batch_size=batch, max_model_len=max_len, gamma=s.gamma, adapt_gamma=s.adapt_gamma, draft_experts=s.draft_experts,
             trace=self._trace(trace), threads=s.threads,
         )
         if s.draft_quant is not None:

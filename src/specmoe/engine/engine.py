@@ -162,7 +162,7 @@ class Engine:
         runtime = Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights,
                           self.max_model_len)
         self.auto_plan = None
-        tune_gamma = options.policy == "auto"
+        tune_gamma = options.policy == "auto" or options.adapt_gamma
         asked = options.policy == "auto" or options.draft_memory == "auto"
         if asked and choose is None:
             raise SpecMoEError("auto settings are chosen by the LLM API; build the engine through specmoe.LLM")
@@ -178,7 +178,7 @@ class Engine:
         self.tracer = StepTracer(options.trace, self) if options.trace else None
         # router picks per expert, counted only while the server's live view is watched
         self.expert_load: ExpertLoad | None = None
-        # under policy auto, gamma follows measured tokens/s (the plan gives the first value)
+        # gamma follows measured acceptance and pass times unless fixed (under policy auto the plan gives the first)
         self.decoder = SpeculativeDecoder(self, options.gamma, tune=tune_gamma) \
             if self.policy.speculative else None
         release_free_memory()  # what building the weights, copies and tier freed, back to the system

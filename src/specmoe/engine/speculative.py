@@ -14,13 +14,13 @@ import time
 import torch
 
 from .acceptance import TorchCoins, accept_greedy, accept_sampled
-from .gamma import GammaTuner
+from .gamma import GammaTuner, StepMeasure
 from .sampling import target_probs
 
 
 class SpeculativeDecoder:
-    """Owns gamma: fixed, or (`tune`) adapted to measured tokens/s by a GammaTuner, down to
-    0 (plain decoding) where speculation does not pay."""
+    """Owns gamma: fixed, or (`tune`) chosen each step by a GammaTuner from measured
+    acceptance and pass times, down to 0 (plain decoding) where speculation does not pay."""
 
     def __init__(self, engine, gamma: int, tune: bool = False):
         self.engine = engine
@@ -46,7 +46,7 @@ class SpeculativeDecoder:
         fed = [[s.pending] + d for s, d in zip(seqs, drafts)]
         with engine.pass_scope("verify") as experts:
             logits = engine.forward_logits(experts, [s.slot for s in seqs], fed, rows="all")
-        produced = 0
+        produced = rejections = 0
         accepted_lengths = []
         sizes = [len(f) for f in fed]
         argmax = logits.argmax(-1).tolist()  # the target's choice at every verified position, in one call
@@ -63,6 +63,7 @@ class SpeculativeDecoder:
             counters.drafted += len(draft)
             counters.accepted += accepted
             counters.rejected += accepted < len(draft)
+            rejections += accepted < len(draft)
             seq.drafted += len(draft)
             seq.accepted += accepted
             accepted_lengths.append(accepted)
@@ -73,8 +74,9 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         counters.draft_s += t1 - t0
         counters.verify_s += t2 - t1
-        if self.tuner and max(lengths, default=0) == self.gamma:  # a full step, not cut short
-            self.gamma = self.tuner.update(produced, t2 - t0)
+        if self.tuner:  # a step cut short near max_tokens counts at the length it drafted
+            measure = StepMeasure(max(lengths, default=0), sum(accepted_lengths), rejections, t1 - t0, t2 - t1)
+            self.gamma = self.tuner.update(measure)
         return produced
 
     def _draft(self, seqs, lengths):

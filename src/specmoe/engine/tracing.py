@@ -37,7 +37,7 @@ class StepTracer:
                  "num_experts": c.num_experts, "top_k": c.top_k, "hidden": c.hidden_size,
                  "expert_intermediate": c.expert_intermediate_size, "expert_bytes": engine.policy.runtime.expert_bytes}
         opts = engine.options
-        config = {"policy": opts.policy, "gamma": opts.gamma, "offload": opts.offload,
+        config = {"policy": opts.policy, "gamma": opts.gamma, "adapt_gamma": opts.adapt_gamma, "offload": opts.offload,
                   "device_memory": opts.device_memory, "max_batch_size": opts.max_batch_size,
                   "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch.")}
         self.writer = TraceWriter(path, model=model, config=config).open()
