@@ -14,12 +14,12 @@ GammaTuner adapts gamma to measured tokens/s.
 from __future__ import annotations
 
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..base.errors import SpecMoEError, warn
 from ..base.paths import cache_dir, offload_dir
+from ..base.progress import OneTime
 from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario
 from ..costmodel.hardware import load_profile, profiles_dir, save_profile
@@ -35,6 +35,8 @@ from .calibrate import calibrate, second_tier
 from .draft_split import LEAST_VERIFY_SLOTS, choose_split
 
 LOCAL_PROFILE = "local"
+# `specmoe calibrate --size 64MiB`, what the planner runs, took 19 s on a busy 2-core AMD EPYC; saved, it runs once
+CALIBRATION_ESTIMATE = "about 20 s on 2 CPU cores; saved as profile 'local'"
 
 
 def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None = None,
@@ -45,9 +47,11 @@ def machine_profile(tier: str, bandwidth: float | None, offload_dir: str | None 
     reserved); a GPU's measured in less than its usual buffers is used for this run only."""
     profile = _saved_profile(tier)
     if profile is None:
-        print("specmoe: calibrating this machine once for the planner (saved as profile 'local')", file=sys.stderr)
+        work = OneTime("calibrating this machine once for the planner: its disk, memory and matmul rates, then the "
+                       "engine on the demo model", CALIBRATION_ESTIMATE).begin()
         measured, m = calibrate(LOCAL_PROFILE, Path(offload_dir) if offload_dir else cache_dir() / "calibrate",
                                 64 << 20, offload_dir=offload_dir, device_bytes=device_room)
+        work.end()
         if m.get("cuda_buffers_capped"):
             warn(f"the calibration measured the GPU within --device-memory ({format_bytes(device_room)} free), "
                  "in smaller buffers than it needs to be exact: used for this run, not saved; "

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..base.errors import os_failure, warn
 from ..base.files import locked, publish, remove_leftovers
+from ..base.progress import OneTime
 from ..base.units import format_bytes
 
 ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical block size
@@ -140,13 +141,17 @@ def open_or_build(path: Path, layout: ExpertLayout, expert: Callable[[Key], byte
             remove_leftovers(path)
             path.with_suffix(".json").unlink(missing_ok=True)  # version 1's manifest
             checksums: list[int] = []
-            publish(path, lambda tmp: checksums.extend(_write(tmp, layout, expert)))
+            work = OneTime(f"writing this checkpoint's experts into the disk tier's file, once "
+                           f"({format_bytes(layout.file_size)} in {path.parent})").begin()
+            publish(path, lambda tmp: checksums.extend(_write(tmp, layout, expert, work.update)))
+            work.end()
     except OSError as exc:
         raise os_failure(exc, f"cannot write the expert file {path}", fix) from None
     return checksums, True
 
 
-def _write(tmp: Path, layout: ExpertLayout, expert: Callable[[Key], bytes]) -> list[int]:
+def _write(tmp: Path, layout: ExpertLayout, expert: Callable[[Key], bytes],
+           progress: Callable[[int, int], None] = lambda done, total: None) -> list[int]:
     checksums = []
     blob = bytearray(layout.blob_size)
     with open(tmp, "wb") as f:
@@ -156,6 +161,7 @@ def _write(tmp: Path, layout: ExpertLayout, expert: Callable[[Key], bytes]) -> l
             blob[: len(data)] = data
             checksums.append(zlib.crc32(data))
             f.write(blob)
+            progress(len(checksums), len(layout.keys))
         f.seek(0)
         f.write(layout.header(checksums))
     return checksums

@@ -11,6 +11,7 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, warn
 from ..base.files import keep
+from ..base.progress import OneTime
 from ..base.safetensors_stream import SafetensorsReader, SafetensorsWriter, TensorEntry
 from ..model.moe import expert_views
 from .quant import BITS, FORMAT_VERSION, QuantizedExpert, QuantizedExperts, QuantizedMatrix, check_mode, quantize_matrix
@@ -98,19 +99,22 @@ def save_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path) -> None:
     Where the file cannot be written it says so and leaves none."""
     c = ckpt.config
     layers = list(c.moe_layer_ids)
+    work = OneTime(f"making {mode} draft copies of this checkpoint's experts, once (kept in {cache_dir})").begin()
     made = {layers[0]: compute_quantized(ckpt, mode, layers[:1]).state_dict()}  # its shapes are every block's
     entries = [TensorEntry(f"{layer}.{name.split('.', 1)[1]}", t.dtype, tuple(t.shape))
                for layer in layers for name, t in made[layers[0]].items()]
 
     def write(tmp: Path) -> None:
         writer = SafetensorsWriter(tmp, entries, {"mode": mode, "format": str(FORMAT_VERSION)})
-        for layer in layers:
+        for i, layer in enumerate(layers):
             block = made.pop(layer, None) or compute_quantized(ckpt, mode, [layer]).state_dict()
             for name, t in block.items():
                 writer.write(name, t)
+            work.update(i + 1, len(layers))
         writer.close()
 
     keep(cache_path(ckpt, mode, cache_dir), write, f"the {mode} copies of the experts")
+    work.end()
 
 
 def quantize_all(ckpt: Checkpoint, keys, mode: str, cache_dir: Path | None,
