@@ -222,3 +222,15 @@ def test_every_page_links_every_other_page():
         assert "../shared" not in text
     readme = PAGES[0].read_text()
     assert [p.name for p in PAGES[1:] if f"](docs/{p.name})" not in readme] == []
+
+
+def test_readme_is_a_front_door_and_no_page_repeats_another():
+    assert len(PAGES[0].read_text().splitlines()) <= 150
+    seen: dict[str, str] = {}
+    repeated = []
+    for page in PAGES:
+        for _, line in prose(page):
+            if len(line) >= 60 and not line.startswith("[README]"):  # the pages' common links aside
+                if seen.setdefault(line, page.name) != page.name:
+                    repeated.append(f"{seen[line]} and {page.name}: {line}")
+    assert repeated == []
