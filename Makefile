@@ -31,8 +31,9 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/run_all.py --results bench-results --markdown BENCHMARKS.md
 
-# Rewrite BENCHMARKS.md's sections from the JSON committed in benchmarks/results/ (make bench
-# keeps each measured section's documents there) without running anything.
+# Rewrite BENCHMARKS.md's sections, its summary and README's headline table from the JSON
+# committed in benchmarks/results/ (make bench keeps each measured section's documents there)
+# without running anything.
 bench-report: install
 	$(BIN)/specmoe bench --report benchmarks/results --markdown BENCHMARKS.md
 
