@@ -1,7 +1,7 @@
 """The summary at the top of BENCHMARKS.md and the headline table of README.md, both made
 from the sections' own documents (headlines.py), so that re-rendering the page keeps them
-true. Each row is a ratio measured within one run, with its goal and a
-link to the section that shows the command, the machine and every figure behind it."""
+true. Each row is a ratio measured within one run, with its goal and a link to the
+section that shows the command, the machine and every figure behind it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import re
 from pathlib import Path
 
-from .report import BEGIN, END, has_section, md_table, update_markdown
 from .headlines import BY_SECTION, Headline
+from .report import BEGIN, END, has_section, md_table, update_markdown
 from .section import Section
 
 SUMMARY = "summary"  # the marker name of the page's summary (report.BEGIN / END)
