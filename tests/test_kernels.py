@@ -20,7 +20,15 @@ from specmoe import LLM, SamplingParams
 from specmoe.base.errors import SpecMoEError
 from specmoe.experts import kernel_check, kernels, quant
 from specmoe.experts.kernels import ALIGN, Shape
-from specmoe.experts.quant import Int4KernelMatrix, Int8KernelMatrix, QuantizedMatrix, device_layout, quantize_matrix
+from specmoe.experts.quant import (
+    BlockMatrix,
+    Int4KernelMatrix,
+    Int8KernelMatrix,
+    QuantizedMatrix,
+    device_layout,
+    quantize_matrix,
+)
+from specmoe.kernels import blockdot
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -226,7 +234,10 @@ def test_fused_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "off")
     choice = kernels.choose([Shape("int8", 64, 64)], CPU)[Shape("int8", 64, 64)]
     assert not choice.fused and "SPECMOE_FUSED_KERNELS=off" in choice.why
-    assert isinstance(device_layout(quantize_matrix(torch.randn(64, 64), 8), CPU), QuantizedMatrix)
+    # torch's kernels off: specmoe's block kernels take the copy where they run, else it is dequantized per call
+    assert isinstance(device_layout(quantize_matrix(torch.randn(64, 64), 8), CPU),
+                      BlockMatrix if blockdot.available() else QuantizedMatrix)
+    assert isinstance(device_layout(quantize_matrix(torch.randn(64, 48), 8), CPU), QuantizedMatrix)  # K % 32 != 0
     monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "maybe")
     with pytest.raises(SpecMoEError, match="SPECMOE_FUSED_KERNELS='maybe'.*'off'"):
         kernels.choose([Shape("int8", 64, 64)], CPU)

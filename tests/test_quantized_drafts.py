@@ -26,6 +26,7 @@ from specmoe.experts import formats, kernels
 from specmoe.experts.kernels import Shape
 from specmoe.experts.quant import (
     BITS,
+    BlockMatrix,
     Int4KernelMatrix,
     Int8KernelMatrix,
     QuantizedExpert,
@@ -43,6 +44,7 @@ from specmoe.experts.quant import (
 )
 from specmoe.experts.quant_cache import load_quantized, quantize_all
 from specmoe.experts.quant_report import quant_error_report
+from specmoe.kernels import blockdot
 from specmoe.model.moe import Routing, group_by_expert, run_expert
 
 MODES = ["int8", "int4", "int3"]
@@ -150,9 +152,34 @@ def test_the_int8_kernel_layout_computes_what_the_portable_format_does(in_featur
 
 
 def test_matrices_the_kernel_cannot_take_keep_the_portable_format():
-    q = quantize_matrix(torch.randn(32, 24), 4)  # group 24: not a kernel group size
+    q = quantize_matrix(torch.randn(32, 24), 4)  # group 24: not a kernel group size, nor whole blocks of 32
     assert isinstance(device_layout(q, torch.device("cpu")), QuantizedMatrix)
     assert isinstance(device_layout(quantize_matrix(torch.randn(32, 64), 8), torch.device("meta")), QuantizedMatrix)
+
+
+@pytest.mark.skipif(not blockdot.available(), reason="the block kernels are not built on this machine")
+@pytest.mark.parametrize("bits, in_features, block", [(8, 256, "Q8_0"), (8, 96, "Q8_0"), (4, 256, "Q4_0"),
+                                                      (4, 64, "Q4_0"), (4, 96, "Q4_0")])
+def test_copies_torchs_kernels_do_not_take_are_ggml_blocks_of_the_same_weights(bits, in_features, block, monkeypatch):
+    """int8 as Q8_0 (the row's scale in every block), int4 as Q4_0 (its group's scale; int4
+    groups are 128, 64 or the row): dequantized, bit for bit the copy's weights; multiplied
+    with 8-bit activations, close to the portable product and the same bits for a row alone
+    and among others. Their bytes are what the budget counts for them."""
+    monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "off")  # as where torch's kernels failed their self-check
+    w = torch.randn(3, 48, in_features, generator=torch.Generator().manual_seed(8)) * 0.1
+    q = quantize_matrix(w, bits)
+    k = device_layout(q, torch.device("cpu"))
+    assert isinstance(k, BlockMatrix) and k.type_name == block
+    x = torch.randn(9, in_features, generator=torch.Generator().manual_seed(9))
+    for e in range(3):
+        assert torch.equal(k.select(e).dequantize(), q.select(e).dequantize(torch.float32))
+        ref, got = q.select(e).linear(x), k.select(e).linear(x)
+        assert float((got - ref).norm() / ref.norm()) < 2e-2  # 8-bit activations
+        assert torch.equal(got[4], k.select(e).linear(x[4:5])[0])
+    assert k.nbytes == 3 * 48 * (in_features // 32) * (34 if bits == 8 else 18)
+    spec = ExpertSpec(in_features, 48)
+    qe = quantize_expert(torch.randn(spec.numel, generator=torch.Generator().manual_seed(10)), spec, bits)
+    assert qe.to(torch.device("cpu")).nbytes == draft_copy_bytes(spec, f"int{bits}", torch.device("cpu"))[0]
 
 
 @pytest.mark.parametrize("spec", [ExpertSpec(128, 64), ExpertSpec(128, 64, "clamped_swiglu", bias=True, limit=1.0)],
@@ -251,6 +278,27 @@ def test_greedy_output_is_exactly_residents_in_every_draft_mode(reference, tmp_p
     stats = llm.last_stats
     assert stats["token_ids_sha256"] == sha
     assert stats["draft_quant"] == mode
+    assert held.excess(budgets[0.5]) <= BOOKKEEPING_ALLOWANCE
+    llm.close()
+
+
+@pytest.mark.skipif(not blockdot.available(), reason="the block kernels are not built on this machine")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_copies_on_the_block_kernels_give_residents_tokens_within_their_bytes(reference, tmp_path, mode, monkeypatch):
+    """Where torch's kernels are refused the copies run as ggml blocks: the tokens are
+    resident's, the statistics name the layout, the bytes held are what the budget counts."""
+    monkeypatch.setenv("SPECMOE_FUSED_KERNELS", "off")
+    path, prompts, sha, budgets = reference
+    llm = quant_llm(path, budgets[0.5], tmp_path, draft_quant=mode)
+    held = watch_device_bytes(llm.engine)
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha and stats["acceptance_rate"] > 0.5
+    # the gate and up rows (K = hidden = 32) as blocks; the down matrix (K = 24, not whole blocks) dequantized
+    kernels_used = {k.split(" K=")[1].split()[0]: why for k, why in stats["fused_kernels"].items()}
+    assert kernels_used["32"].startswith("blockdot") and kernels_used["24"].startswith("portable"), kernels_used
+    first = llm.engine.policy.quantized.expert(llm.config.moe_layer_ids[0], 0)
+    assert isinstance(first.gate_up, BlockMatrix) and isinstance(first.down, QuantizedMatrix)
     assert held.excess(budgets[0.5]) <= BOOKKEEPING_ALLOWANCE
     llm.close()
 

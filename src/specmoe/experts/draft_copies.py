@@ -24,6 +24,8 @@ from .quant import (
     QuantizedExperts,
     QuantizedMatrix,
     draft_kernel_choices,
+    expert_matrices,
+    kernel_notes,
     quantize_expert,
 )
 from .quant_cache import cache_path, save_quantized
@@ -80,7 +82,7 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
         have.retain(copies)
     for mode, keys in by_mode.items():
         choices = draft_kernel_choices(spec, mode, device)
-        kernels.update({s.key: c.describe() for s, c in choices.items()})
+        kernels.update(kernel_notes([(BITS[mode], *m) for m in expert_matrices(spec)], choices, device))
         for key, host in _read_rows(ckpt, mode, keys, cache_dir):
             read += host.nbytes
             copies[key] = host.to(device, choices)

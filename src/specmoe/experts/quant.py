@@ -21,11 +21,16 @@ An expert is two matrices, as in the full-precision buffer (`ExpertSpec`): w_in 
 stay in float32 (a few hundred values).
 
 That format is what is cached and what `quant_report.quant_error_report` measures. On the device the
-draft holds each matrix either in it (dequantized to the compute dtype once per call,
-then F.linear) or, on the CPU, in the layout of torch's fused int4 matmul
-(`Int4KernelMatrix`) or int8 matmul (`Int8KernelMatrix`): the same codes and scales,
-multiplied in bfloat16 without a dequantized copy, where kernels.py allows it (the
-shape meets the kernel's requirements and passed its self-check on this machine).
+draft holds each matrix in the first of these layouts that takes it, all the same weights
+(codes times scales):
+- on the CPU, the layout of torch's fused int4 matmul (`Int4KernelMatrix`) or int8 matmul
+  (`Int8KernelMatrix`), multiplied in bfloat16, where kernels.py allows it (the shape meets
+  the kernel's requirements and passed its self-check on this machine);
+- on the CPU where specmoe's block kernels run (kernels/blockdot.py), ggml blocks
+  (`BlockMatrix`): int8 as Q8_0 (each block of 32 with its row's float16 scale), int4 as
+  Q4_0 (each with its group's scale, the codes unchanged), multiplied as a GGUF file's
+  weights are, without a dequantized copy;
+- as stored, dequantized to the compute dtype once per call, then F.linear.
 
 Shapes: D hidden, I expert intermediate, E experts per block, n experts used.
 
@@ -42,6 +47,9 @@ import torch.nn.functional as F
 from ..base.errors import SpecMoEError
 from ..base.specs import ExpertSpec
 from ..model.layers import as_dtype, expert_activation
+from ..base.gguf_quants import dequantize as dequantize_blocks
+from ..base.gguf_quants import row_bytes
+from ..kernels import blockdot
 from ..model.moe import ExpertGroups, expert_forward, expert_views
 from .kernels import (
     KernelChoice,
@@ -220,17 +228,85 @@ class Int8KernelMatrix:
         return 0
 
 
+# --- the same codes as ggml blocks, for specmoe's own block kernels ------------------------------
+
+BLOCK = 32  # values per Q8_0 / Q4_0 block, each with one float16 scale
+BLOCK_TYPES = {8: "Q8_0", 4: "Q4_0"}
+
+
+def block_type(bits: int, in_features: int, device) -> str | None:
+    """The ggml block type a copy of this format can be re-encoded in exactly on `device`, or
+    None: on the CPU where the block kernels run, for int8 and int4 whose groups hold whole
+    blocks (the layout of copies torch's fused kernels do not take: device_layout)."""
+    if bits not in BLOCK_TYPES or in_features % BLOCK or group_size(in_features, bits) % BLOCK:
+        return None
+    if torch.device(device).type != "cpu" or not blockdot.available():
+        return None
+    return BLOCK_TYPES[bits]
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """An int8 or int4 QuantizedMatrix as ggml Q8_0 / Q4_0 rows: the same codes and float16
+    scales (a block's scale is its row's or group's), so the same weights, multiplied by
+    blockdot.c with the activations rounded to 8 bits per block as llama.cpp does (a draft
+    only proposes tokens: verification decides them)."""
+
+    raw: torch.Tensor  # uint8 [..., out * row_bytes]
+    type_name: str
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_quantized(cls, q: QuantizedMatrix) -> BlockMatrix:
+        out, n = q.out_features, q.in_features
+        lead = q.scales.shape[:-2]
+        scales = q.scales.repeat_interleave(q.group // BLOCK, dim=-1).contiguous()  # [..., out, n / 32]
+        head = scales.view(torch.uint8).reshape(*lead, out, n // BLOCK, 2)
+        if q.bits == 8:
+            body = q.data.view(torch.uint8).reshape(*lead, out, n // BLOCK, BLOCK)
+        else:  # Q4_0: value j of a block in byte j's low nibble, value j + 16 in its high one
+            codes = unpack(q.data, 4, out * n).reshape(*lead, out, n // BLOCK, BLOCK)
+            body = codes[..., :16] | (codes[..., 16:] << 4)
+        raw = torch.cat([head, body], dim=-1).reshape(*lead, -1).contiguous()
+        return cls(raw, BLOCK_TYPES[q.bits], out, n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def select(self, index) -> BlockMatrix:
+        return BlockMatrix(self.raw[index].contiguous(), self.type_name, self.out_features, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_blocks(self.raw, self.type_name, self.out_features, self.in_features, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float()
+        y = blockdot.matmul_q(blockdot.quantize(flat, self.type_name), self.raw, self.type_name, self.out_features)
+        return as_dtype(y.reshape(*x.shape[:-1], self.out_features), x.dtype)
+
+    def scratch_bytes(self, dtype: torch.dtype) -> int:
+        return 0
+
+
+def block_bytes(bits: int, out_features: int, in_features: int) -> int:
+    return out_features * row_bytes(BLOCK_TYPES[bits], in_features)
+
+
 def device_layout(q: QuantizedMatrix, device, choices: dict[Shape, KernelChoice] | None = None,
-                  ) -> QuantizedMatrix | Int4KernelMatrix | Int8KernelMatrix:
+                  ) -> QuantizedMatrix | BlockMatrix | Int4KernelMatrix | Int8KernelMatrix:
     """The matrix as the draft will hold it on `device`: a fused kernel's layout where
-    `choices` (default: `kernels.choose` for this matrix) let it, else the portable
-    format (dequantized per call)."""
+    `choices` (default: `kernels.choose` for this matrix) let it, else ggml blocks where the
+    block kernels take it (`block_type`), else the portable format (dequantized per call)."""
     shape = kernel_shape(q.bits, q.out_features, q.in_features)
     if shape is not None and choices is None:
         choices = choose([shape], device)
-    if shape is None or not choices[shape].fused:
-        return q.to(device)
-    return Int4KernelMatrix.from_quantized(q) if q.bits == 4 else Int8KernelMatrix.from_quantized(q)
+    if shape is not None and choices[shape].fused:
+        return Int4KernelMatrix.from_quantized(q) if q.bits == 4 else Int8KernelMatrix.from_quantized(q)
+    if block_type(q.bits, q.in_features, device) is not None:
+        return BlockMatrix.from_quantized(q)
+    return q.to(device)
 
 
 def quantize_matrix(w: torch.Tensor, bits: int) -> QuantizedMatrix:
@@ -332,6 +408,22 @@ def draft_kernel_choices(spec: ExpertSpec, mode: str, device) -> dict[Shape, Ker
     return choose([s for s in shapes if s is not None], device)
 
 
+def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device) -> dict[str, str]:
+    """`specmoe info`'s line for each (bits, out, in) matrix of a copy: its fused kernel's
+    verdict, and where that is no, the block kernels' layout where they take it."""
+    notes = {}
+    for bits, out, in_features in matrices:
+        shape, kind = kernel_shape(bits, out, in_features), block_type(bits, in_features, device)
+        choice = choices.get(shape)
+        key = shape.key if shape is not None else f"int{bits} N={out} K={in_features}"
+        if kind is not None and not (choice is not None and choice.fused):
+            why = f" ({choice.why})" if choice is not None else ""
+            notes[key] = f"blockdot: the codes and scales as ggml {kind} blocks, unchanged; not fused{why}"
+        elif choice is not None:
+            notes[key] = choice.describe()
+    return notes
+
+
 def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
     """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
     without building it: in the layout `device_layout` gives it on `device` (None: the
@@ -349,6 +441,8 @@ def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
         elif fused:  # int8 kernel: the same codes and bfloat16 row scales, each 64-byte aligned
             copy += padded(out * in_features, 1) + 2 * padded(out, 2)
+        elif device is not None and block_type(bits, in_features, device) is not None:
+            copy += block_bytes(bits, out, in_features)
         else:
             copy += packed_size(out * in_features, bits) + out * groups * torch.tensor([], dtype=SCALE_DTYPE).element_size()
             scratch = max(scratch, out * in_features * elem)
@@ -385,11 +479,11 @@ class QuantizedExperts:
 
     def to(self, device) -> QuantizedExperts:
         """On `device`, in the layouts `kernels.choose` allows there (one self-check for all shapes)."""
-        shapes = {kernel_shape(m.bits, m.out_features, m.in_features) for q in self.layers.values()
-                  for m in (q.gate_up, q.down)} - {None}
+        matrices = {(m.bits, m.out_features, m.in_features) for q in self.layers.values() for m in (q.gate_up, q.down)}
+        shapes = {kernel_shape(*m) for m in matrices} - {None}
         choices = choose(sorted(shapes, key=lambda s: s.key), device)
         moved = QuantizedExperts(self.mode, {l: q.to(device, choices) for l, q in self.layers.items()}, self.spec)
-        moved.kernels = {s.key: c.describe() for s, c in choices.items()}
+        moved.kernels = kernel_notes(sorted(matrices), choices, device)
         return moved
 
     def block_outputs(self, layer: int, x: torch.Tensor, groups: ExpertGroups,

@@ -16,7 +16,7 @@ from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, computes_as_stored, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_format, expert_format
-from ..experts.quant import draft_kernel_choices, draft_modes
+from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
 from ..flags import add_model_args
@@ -175,10 +175,13 @@ def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
 
 def fused_kernels(c, compute_dtype, device) -> dict[str, str]:
     """Which matrices would go through torch's fused CPU kernels here, and why not where not:
-    the checkpoint's own int4 experts, and the int8 and int4 draft copies (kernels.py)."""
+    the checkpoint's own int4 experts, and the int8 and int4 draft copies (kernels.py; a copy
+    they do not take goes to the block kernels where those run)."""
     report = {f"experts {key}": why for key, why in expert_format(c, compute_dtype, device).kernels.items()}
     for mode in draft_modes(c.expert_quant):
-        report.update({f"draft {s.key}": k.describe() for s, k in draft_kernel_choices(c.expert, mode, device).items()})
+        choices = draft_kernel_choices(c.expert, mode, device)
+        notes = kernel_notes([(BITS[mode], *m) for m in expert_matrices(c.expert)], choices, device)
+        report.update({f"draft {key}": why for key, why in notes.items()})
     return report
 
 
