@@ -1,8 +1,10 @@
 """BENCHMARKS.md's real-size section: each of its goals as a ratio of two figures of one
-run, and the paper's draft beside the default."""
+run, judged by goals.py's rule (the lower end of the ratio's interval over 3 or more
+interleaved repeats), and the paper's draft beside the default."""
 
 from __future__ import annotations
 
+from .goals import Verdict, interleaved, judge_records, ratio_interval
 from .report import md_table
 from .tables import _f
 
@@ -10,7 +12,9 @@ from .tables import _f
 def _speeds(doc: dict) -> dict[tuple[str, int], dict]:
     """(policy or anchor, B) -> its record, skipped runs left out."""
     recs = [r for r in doc["records"] + doc.get("anchors", []) if not r.get("skipped")]
-    return {(r.get("anchor") or r["policy"], r["batch_size"]): r for r in recs}
+    # each record says whether its batch size's runners ran side by side, rounds interleaved
+    return {(r.get("anchor") or r["policy"], r["batch_size"]): {**r, "interleaved": interleaved(doc, f"B={r['batch_size']}")}
+            for r in recs}
 
 
 def goal_figures(at: dict) -> list[tuple[str, dict | None, dict | None, float | None, bool]]:
@@ -27,12 +31,19 @@ def goal_figures(at: dict) -> list[tuple[str, dict | None, dict | None, float | 
     return [(what, at.get(num), at.get(den), goal, front) for what, num, den, goal, front in goals]
 
 
+def verdict(a: dict, b: dict, goal: float) -> Verdict:
+    """a ÷ b against `goal` by goals.py's rule: the records' repeats, both interleaved."""
+    return judge_records(a, b, goal, a.get("interleaved", True) and b.get("interleaved", True))
+
+
 def _goal_row(what: str, a: dict | None, b: dict | None, goal: float | None) -> list[str]:
     if a is None or b is None:
-        return [what, "–", "–", "–", _f(goal, "{:.1f}x"), "not measured"]
+        return [what, "–", "–", "–", "–", _f(goal, "{:.1f}x"), "not measured"]
     ratio = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-    met = "–" if goal is None else ("yes" if ratio >= goal else "no")
-    return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x", _f(goal, "{:.1f}x"), met]
+    low, high, repeats = ratio_interval(a, b)
+    met = "–" if goal is None else str(verdict(a, b, goal))
+    return [what, _f(a["decode_tokens_per_s"]), _f(b["decode_tokens_per_s"]), f"{ratio:.2f}x",
+            f"{low:.2f}-{high:.2f} ({repeats})", _f(goal, "{:.1f}x"), met]
 
 
 def records_at(grids: list[dict]) -> dict:
@@ -45,7 +56,8 @@ def real_size_goals(grids: list[dict], paper: dict) -> str:
     the real-size-runs section's (one process a policy: a bench process's peak only grows)."""
     at = records_at(grids)
     rows = [_goal_row(what, a, b, goal) for what, a, b, goal, _ in goal_figures(at)]
-    text = md_table(["figure", "tok/s", "against tok/s", "ratio", "goal", "met"], rows) + "\n"
+    text = md_table(["figure", "tok/s", "against tok/s", "ratio", "range over repeats (how many)", "goal", "met"],
+                    rows) + "\n"
     theirs = _speeds(paper)
     drafts = []
     for b in sorted({key[1] for key in at}):

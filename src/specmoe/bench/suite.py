@@ -19,6 +19,7 @@ from ..kernels.cpu import usable_cores
 from ..policies.specmoe.policy import WORKING_SLOTS
 from . import anchors as anchor_mod
 from .ablation import WHAT, variants
+from .goals import NOT_INTERLEAVED
 from .grid import (
     BUDGET_RULE,
     Builder,
@@ -128,7 +129,7 @@ class Suite:
             return True
         if fit_together(needs, available):
             return True
-        self.notes.append(f"{where}: runners built, run and closed one at a time, rounds not interleaved (side by "
+        self.notes.append(f"{where}: runners built, run and closed one at a time, {NOT_INTERLEAVED} (side by "
                           f"side they would hold {format_bytes(sum(needs.values()))} of the "
                           f"{format_bytes(available)} available)")
         return False
