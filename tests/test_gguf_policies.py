@@ -62,6 +62,24 @@ def test_every_policy_gives_the_resident_gguf_models_tokens(resident, tmp_path, 
     llm.close()
 
 
+def test_on_a_gguf_file_the_draft_copies_run_on_the_engines_block_kernels(resident, tmp_path):
+    """The engine multiplies a GGUF file's weights on the block kernels, torch on one thread:
+    the int4 copies go to the block kernels too, as Q4_0 rows, and the tokens stay resident's."""
+    from specmoe.experts.quant import BlockMatrix
+
+    path, prompts, sha = resident("mixtral", "Q4_0")
+    llm = LLM(model=str(path), policy="specmoe", offload_dir=str(tmp_path), draft_quant="int4",
+              **{**SHAPE, "offload": "disk", "device_memory": "4MiB"})
+    llm.generate(prompts, GREEDY)
+    stats = llm.last_stats
+    assert stats["token_ids_sha256"] == sha
+    drafts = {k: v for k, v in stats["fused_kernels"].items() if k.startswith("draft")}
+    assert drafts and all(v.startswith("blockdot") for v in drafts.values()), drafts
+    first = llm.engine.policy.quantized.expert(llm.config.moe_layer_ids[0], 0)
+    assert isinstance(first.gate_up, BlockMatrix) and isinstance(first.down, BlockMatrix)
+    llm.close()
+
+
 def _expert_bytes_in_file(path, layer: int = 0) -> int:
     """One expert's slices of the block's three stacked tensors, as the file stores them."""
     f = GGUFFile(path)

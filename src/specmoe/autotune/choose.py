@@ -159,7 +159,8 @@ def choose_draft_memory(runtime) -> tuple:
     cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
     best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,
                            runtime.dtype, cache, opts.max_batch_size, opts.gamma,
-                           history.measured(runtime.checkpoint.fingerprint()), fused, _split_speeds(runtime))
+                           history.measured(runtime.checkpoint.fingerprint()), fused, _split_speeds(runtime),
+                           runtime.computes_as_stored)
     return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)
 
 
@@ -182,7 +183,7 @@ def _fused_modes(runtime) -> tuple[str, ...]:
     """The copy formats this device multiplies with a fused kernel (no dequantized scratch)."""
     c = runtime.config
     return tuple(mode for mode in draft_modes(c.expert_quant, tuple(BITS))
-                 if not draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)[1])
+                 if not draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype, runtime.computes_as_stored)[1])
 
 
 def choose_policy(runtime) -> tuple:
@@ -263,7 +264,7 @@ def _quantized_draft(runtime) -> str | None:
     c, budget = runtime.config, runtime.budget
     free = budget.available() if budget.limit is not None else None
     for mode in draft_modes(c.expert_quant):
-        copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype)
+        copy, scratch = draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype, runtime.computes_as_stored)
         need = copy * len(c.draft_layer_ids) * c.num_experts + scratch  # the decoder's experts
         if free is None or free >= need + WORKING_SLOTS * runtime.slot_bytes:
             return mode

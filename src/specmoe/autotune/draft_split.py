@@ -138,9 +138,10 @@ class ExpertTimes:
 
 
 @torch.no_grad()
-def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: int) -> ExpertTimes:
+def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: int,
+                 blocks: bool = False) -> ExpertTimes:
     """One expert of the first drafting block, timed in full precision and as each
-    quantized copy in the layout this device multiplies it in (fused kernel or portable)."""
+    quantized copy in the layout this device multiplies it in (quant.device_layout)."""
     spec, layer = ckpt.config.expert, ckpt.config.draft_layer_ids[0]
     exact = ckpt.expert_buffer(layer, 0, torch.float32)
     full = exact.to(device, dtype)
@@ -149,7 +150,8 @@ def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, ve
     times = {FULL: timed(lambda: run_expert(full, x_draft, spec), MIN_TIME_S)}
     for mode in ways:
         if mode != FULL:
-            copy = quantize_expert(exact, spec, BITS[mode]).to(device, draft_kernel_choices(spec, mode, device))
+            copy = quantize_expert(exact, spec, BITS[mode]).to(device, draft_kernel_choices(spec, mode, device, blocks),
+                                                               blocks)
             times[mode] = timed(lambda: quantized_expert_forward(x_draft, copy, spec), MIN_TIME_S)
     return ExpertTimes(times, timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S))
 
@@ -185,19 +187,19 @@ def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, 
 
 def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
                  batch: int, gamma: int, measured: dict[str, float],
-                 fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None,
+                 fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None, blocks: bool = False,
                  ) -> tuple[SplitPoint, list[SplitPoint]]:
     """(the fastest split, every split predicted). `measured`: per-token acceptance earlier
     runs measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py)."""
     c = ckpt.config
     picks = batch * c.top_k
     times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype, math.ceil(picks / sc.distinct(batch)),
-                         math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)))
+                         math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)), blocks)
     points = []
     for ways in ways_to_try(fused_modes):
         for memory in split_candidates(room, slot_bytes):
             try:
-                start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache)
+                start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache, blocks=blocks)
             except SpecMoEError:
                 continue  # holds nothing in some block
             key = history_key(ways, memory, c, slot_bytes)

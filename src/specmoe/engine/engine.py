@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base.checkpoint import Checkpoint
-from ..base.gguf_checkpoint import GGUFCheckpoint, load_tokenizer, open_checkpoint
+from ..base.gguf_checkpoint import load_tokenizer, open_checkpoint
 from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError
 from ..base.memory import release_free_memory
@@ -58,14 +58,6 @@ def resolve_dtype(name: str, ckpt: Checkpoint, device: torch.device) -> torch.dt
     # On the CPU compute in float32: bf16 rounding differs with batch shapes, and greedy
     # outputs must not depend on which policy batched the work. On CUDA: the checkpoint's.
     return torch.float32 if device.type == "cpu" else ckpt.torch_dtype()
-
-
-def computes_as_stored(dtype_option: str, ckpt: Checkpoint, device: torch.device) -> bool:
-    """Whether the model's weights are multiplied in the encoding its file stores them in
-    (a GGUF file's blocks, a bfloat16 checkpoint's bfloat16) by the block kernels: the
-    CPU's default where they built and passed their self-check (kernels/blockdot.py)."""
-    return blockdot.as_stored(dtype_option, device) and (
-        isinstance(ckpt, GGUFCheckpoint) or ckpt.torch_dtype() == torch.bfloat16)
 
 
 def draft_dense_dtype(options: EngineConfig, config, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
@@ -122,7 +114,7 @@ class Engine:
         self.config = self.checkpoint.config
         options.check_model(self.config)
         self.device = resolve_device(options.device)
-        self.as_stored = computes_as_stored(options.dtype, self.checkpoint, self.device)
+        self.as_stored = blockdot.computes_as_stored(options.dtype, self.config, self.device)
         if self.device.type == "cpu":
             # every core this process may use, as llama.cpp runs by default (kernels/cpu.py). A GGUF
             # model's matrices all go through the block kernels' threads; torch's own pool would only

@@ -66,9 +66,10 @@ class ExpertCopies(QuantizedExperts):
 
 
 def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None, device,
-                have: ExpertCopies | None = None) -> tuple[ExpertCopies, int]:
-    """The copies `wanted` names ((layer, e) -> mode), on `device`; those `have` already
-    holds in the same mode are kept, not read again. Returns them and the bytes read."""
+                have: ExpertCopies | None = None, blocks: bool = False) -> tuple[ExpertCopies, int]:
+    """The copies `wanted` names ((layer, e) -> mode), on `device` in the layouts
+    quant.device_layout gives them (`blocks` as there); those `have` already holds in the
+    same mode are kept, not read again. Returns them and the bytes read."""
     spec = ckpt.config.expert
     copies, read = {}, 0
     by_mode: dict[str, list[Key]] = {}
@@ -81,11 +82,11 @@ def load_copies(ckpt: Checkpoint, wanted: dict[Key, str], cache_dir: Path | None
     if have is not None:  # stale copies go before new ones are read: the two are never held together
         have.retain(copies)
     for mode, keys in by_mode.items():
-        choices = draft_kernel_choices(spec, mode, device)
-        kernels.update(kernel_notes([(BITS[mode], *m) for m in expert_matrices(spec)], choices, device))
+        choices = draft_kernel_choices(spec, mode, device, blocks)
+        kernels.update(kernel_notes([(BITS[mode], *m) for m in expert_matrices(spec)], choices, device, blocks))
         for key, host in _read_rows(ckpt, mode, keys, cache_dir):
             read += host.nbytes
-            copies[key] = host.to(device, choices)
+            copies[key] = host.to(device, choices, blocks)
     out = ExpertCopies(copies, dict(wanted), spec)
     out.kernels = kernels
     return out, read

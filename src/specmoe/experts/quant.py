@@ -29,7 +29,9 @@ draft holds each matrix in the first of these layouts that takes it, all the sam
 - on the CPU where specmoe's block kernels run (kernels/blockdot.py), ggml blocks
   (`BlockMatrix`): int8 as Q8_0 (each block of 32 with its row's float16 scale), int4 as
   Q4_0 (each with its group's scale, the codes unchanged), multiplied as a GGUF file's
-  weights are, without a dequantized copy;
+  weights are, without a dequantized copy; these come first where the engine itself runs
+  on the block kernels (`blocks`: Runtime.computes_as_stored), as it does on a GGUF file or
+  a bfloat16 checkpoint: torch then has one thread and the block kernels the cores;
 - as stored, dequantized to the compute dtype once per call, then F.linear.
 
 Shapes: D hidden, I expert intermediate, E experts per block, n experts used.
@@ -295,10 +297,13 @@ def block_bytes(bits: int, out_features: int, in_features: int) -> int:
 
 
 def device_layout(q: QuantizedMatrix, device, choices: dict[Shape, KernelChoice] | None = None,
-                  ) -> QuantizedMatrix | BlockMatrix | Int4KernelMatrix | Int8KernelMatrix:
-    """The matrix as the draft will hold it on `device`: a fused kernel's layout where
+                  blocks: bool = False) -> QuantizedMatrix | BlockMatrix | Int4KernelMatrix | Int8KernelMatrix:
+    """The matrix as the draft will hold it on `device`: ggml blocks first where the engine
+    runs on the block kernels (`blocks`) and they take it, else a fused kernel's layout where
     `choices` (default: `kernels.choose` for this matrix) let it, else ggml blocks where the
     block kernels take it (`block_type`), else the portable format (dequantized per call)."""
+    if blocks and block_type(q.bits, q.in_features, device) is not None:
+        return BlockMatrix.from_quantized(q)
     shape = kernel_shape(q.bits, q.out_features, q.in_features)
     if shape is not None and choices is None:
         choices = choose([shape], device)
@@ -369,11 +374,11 @@ class QuantizedExpert:
         b_in, b_out = (None if b is None else b[index] for b in (self.b_in, self.b_out))
         return QuantizedExpert(self.gate_up.select(index), self.down.select(index), b_in, b_out)
 
-    def to(self, device, choices: dict[Shape, KernelChoice] | None = None) -> QuantizedExpert:
-        """For the draft on `device` (a fused kernel's layout where `choices` allow it)."""
+    def to(self, device, choices: dict[Shape, KernelChoice] | None = None, blocks: bool = False) -> QuantizedExpert:
+        """For the draft on `device`, each matrix in the layout device_layout gives it."""
         b_in, b_out = (None if b is None else b.to(device) for b in (self.b_in, self.b_out))
-        return QuantizedExpert(device_layout(self.gate_up, device, choices), device_layout(self.down, device, choices),
-                               b_in, b_out)
+        return QuantizedExpert(device_layout(self.gate_up, device, choices, blocks),
+                               device_layout(self.down, device, choices, blocks), b_in, b_out)
 
     def dequantize(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Portable format only."""
@@ -402,21 +407,26 @@ def expert_matrices(spec: ExpertSpec) -> tuple[tuple[int, int], tuple[int, int]]
     return (spec.in_rows, spec.hidden), (spec.hidden, spec.inter)
 
 
-def draft_kernel_choices(spec: ExpertSpec, mode: str, device) -> dict[Shape, KernelChoice]:
-    """Whether each matrix of a `mode` copy goes through a fused kernel on `device`, and why."""
-    shapes = [kernel_shape(BITS[mode], out, in_features) for out, in_features in expert_matrices(spec)]
+def draft_kernel_choices(spec: ExpertSpec, mode: str, device, blocks: bool = False) -> dict[Shape, KernelChoice]:
+    """Whether each matrix of a `mode` copy goes through a fused kernel on `device`, and why
+    (no verdict for the matrices the block kernels take first: `blocks`, device_layout)."""
+    bits = BITS[mode]
+    shapes = [kernel_shape(bits, out, in_features) for out, in_features in expert_matrices(spec)
+              if not (blocks and block_type(bits, in_features, device))]
     return choose([s for s in shapes if s is not None], device)
 
 
-def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device) -> dict[str, str]:
-    """`specmoe info`'s line for each (bits, out, in) matrix of a copy: its fused kernel's
-    verdict, and where that is no, the block kernels' layout where they take it."""
+def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device, blocks: bool = False) -> dict[str, str]:
+    """`specmoe info`'s line for each (bits, out, in) matrix of a copy: the layout
+    device_layout gives it, and why."""
     notes = {}
     for bits, out, in_features in matrices:
         shape, kind = kernel_shape(bits, out, in_features), block_type(bits, in_features, device)
         choice = choices.get(shape)
         key = shape.key if shape is not None else f"int{bits} N={out} K={in_features}"
-        if kind is not None and not (choice is not None and choice.fused):
+        if kind is not None and blocks:
+            notes[key] = f"blockdot: the codes and scales as ggml {kind} blocks, unchanged (the engine's kernels)"
+        elif kind is not None and not (choice is not None and choice.fused):
             why = f" ({choice.why})" if choice is not None else ""
             notes[key] = f"blockdot: the codes and scales as ggml {kind} blocks, unchanged; not fused{why}"
         elif choice is not None:
@@ -424,20 +434,24 @@ def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device) -> dict[s
     return notes
 
 
-def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32) -> tuple[int, int]:
+def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float32, blocks: bool = False,
+                     ) -> tuple[int, int]:
     """(bytes of one expert's quantized copy, scratch bytes a call dequantizes at most),
     without building it: in the layout `device_layout` gives it on `device` (None: the
-    portable layout, as stored), computing in `dtype`; float32 biases where the family has them."""
+    portable layout, as stored; `blocks` as there), computing in `dtype`; float32 biases
+    where the family has them."""
     if mode == "none":
         return 0, 0
     bits, elem = BITS[mode], torch.tensor([], dtype=dtype).element_size()
     copy = 4 * (spec.in_rows + spec.hidden) if spec.bias else 0
     scratch = 0
-    choices = draft_kernel_choices(spec, mode, device) if device is not None else {}
+    choices = draft_kernel_choices(spec, mode, device, blocks) if device is not None else {}
     for out, in_features in expert_matrices(spec):
         shape, groups = kernel_shape(bits, out, in_features), in_features // group_size(in_features, bits)
         fused = shape in choices and choices[shape].fused
-        if fused and bits == 4:
+        if blocks and device is not None and block_type(bits, in_features, device) is not None:
+            copy += block_bytes(bits, out, in_features)
+        elif fused and bits == 4:
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
         elif fused:  # int8 kernel: the same codes and bfloat16 row scales, each 64-byte aligned
             copy += padded(out * in_features, 1) + 2 * padded(out, 2)
@@ -477,13 +491,15 @@ class QuantizedExperts:
             self._experts[layer, e] = self.layers[layer].select(e)
         return self._experts[layer, e]
 
-    def to(self, device) -> QuantizedExperts:
-        """On `device`, in the layouts `kernels.choose` allows there (one self-check for all shapes)."""
+    def to(self, device, blocks: bool = False) -> QuantizedExperts:
+        """On `device`, in the layouts device_layout gives them (one self-check for all the
+        shapes a fused kernel may take)."""
         matrices = {(m.bits, m.out_features, m.in_features) for q in self.layers.values() for m in (q.gate_up, q.down)}
-        shapes = {kernel_shape(*m) for m in matrices} - {None}
+        shapes = {kernel_shape(*m) for m in matrices if not (blocks and block_type(m[0], m[2], device))} - {None}
         choices = choose(sorted(shapes, key=lambda s: s.key), device)
-        moved = QuantizedExperts(self.mode, {l: q.to(device, choices) for l, q in self.layers.items()}, self.spec)
-        moved.kernels = kernel_notes(sorted(matrices), choices, device)
+        layers = {l: q.to(device, choices, blocks) for l, q in self.layers.items()}
+        moved = QuantizedExperts(self.mode, layers, self.spec)
+        moved.kernels = kernel_notes(sorted(matrices), choices, device, blocks)
         return moved
 
     def block_outputs(self, layer: int, x: torch.Tensor, groups: ExpertGroups,

@@ -118,11 +118,12 @@ def save_quantized(ckpt: Checkpoint, mode: str, cache_dir: Path) -> None:
 
 
 def quantize_all(ckpt: Checkpoint, keys, mode: str, cache_dir: Path | None,
-                 device: torch.device | str = "cpu") -> QuantizedExperts:
+                 device: torch.device | str = "cpu", blocks: bool = False) -> QuantizedExperts:
     """Quantized copies of the experts `keys` [(layer, e)] (whole blocks are kept stacked:
-    the keys' blocks, all their experts), on `device`. The stored format does not depend
-    on the compute dtype: a copy computes in its input's (quantized_expert_forward)."""
+    the keys' blocks, all their experts), on `device` in the layouts quant.device_layout
+    gives them (`blocks` as there). The stored format does not depend on the compute dtype:
+    a copy computes in its input's (quantized_expert_forward)."""
     q = load_quantized(ckpt, mode, cache_dir)
     wanted = {layer for layer, _ in keys}
     q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.spec)
-    return q.to(device)
+    return q.to(device, blocks)

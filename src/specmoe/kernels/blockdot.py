@@ -183,6 +183,16 @@ def as_stored(dtype_option: str, device) -> bool:
     return dtype_option == "auto" and torch.device(device).type == "cpu" and available()
 
 
+def computes_as_stored(dtype_option: str, config, device) -> bool:
+    """Whether a model (its ModelConfig) has its weights multiplied in the encoding its file
+    stores them in (a GGUF file's blocks, a bfloat16 checkpoint's bfloat16) by these kernels:
+    the CPU's default where they built and passed their self-check. The engine then gives
+    the cores to their threads (torch's on one), and a draft's int8 / int4 copies run on
+    them too (experts/quant.py)."""
+    gguf = getattr(config.expert_quant, "source", None) == "gguf"
+    return as_stored(dtype_option, device) and (gguf or config.torch_dtype == "bfloat16")
+
+
 def computes(type_name: str) -> bool:
     """Whether the kernels multiply weights stored as `type_name`: the block types (with
     8-bit activations, as llama.cpp rounds them), and BF16 (float32 activations: matmul_bf16)."""

@@ -26,7 +26,7 @@ from ..base.checkpoint import Checkpoint
 from ..base.config import EngineConfig, ModelConfig
 from ..experts.budget import DeviceBudget
 from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, expert_format
-from ..kernels.blockdot import as_stored
+from ..kernels.blockdot import as_stored, computes_as_stored
 from ..model.moe import ExpertBackend, Routing
 
 PASS_KINDS = ("prefill", "decode", "draft", "verify")
@@ -50,6 +50,12 @@ class Runtime:
         """How experts are held and moved: the checkpoint's quantized blobs, or float buffers."""
         return expert_format(self.config, self.dtype, self.device, self.checkpoint_expert_dtype,
                              as_stored(self.options.dtype, self.device))
+
+    @cached_property
+    def computes_as_stored(self) -> bool:
+        """Whether the engine multiplies this model's weights as stored, on the block kernels'
+        threads (kernels/blockdot.py): a draft's int8 / int4 copies then run on them too."""
+        return computes_as_stored(self.options.dtype, self.config, self.device)
 
     @cached_property
     def checkpoint_expert_dtype(self) -> torch.dtype | None:

@@ -13,7 +13,7 @@ from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
-from ..engine.engine import DEFAULT_MAX_MODEL_LEN, computes_as_stored, resolve_device, resolve_dtype
+from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
@@ -61,7 +61,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     ckpt = open_checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
-    stored = computes_as_stored(dtype, ckpt, resolve_device(device))
+    stored = blockdot.computes_as_stored(dtype, ckpt.config, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     # what the engine loads: not a vision tower, not multi-token-prediction layers
     non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.text_names() if not ckpt.is_routed_expert(n))
@@ -100,7 +100,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             # each decoder layer also keeps the source's cross-attention K/V (kv_elements_per_sequence)
             kv_cross_bytes_per_source_token=len(c.decoder_layer_ids) * c.attention.kv_elements_per_token * elem,
         )
-    info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device))
+    info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device), stored)
     if draft_quant and draft_quant not in ("none", "auto"):
         # relative L2 error of each block's expert outputs with quantized copies (random inputs)
         info["draft_quant_error"] = {
@@ -130,7 +130,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     if draft_memory is not None:
         slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
         info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
-                                   compute_dtype, draft_quant or "auto", cache_dir))
+                                   compute_dtype, draft_quant or "auto", cache_dir, stored))
     return info
 
 
@@ -173,14 +173,14 @@ def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
     return report
 
 
-def fused_kernels(c, compute_dtype, device) -> dict[str, str]:
+def fused_kernels(c, compute_dtype, device, stored: bool = False) -> dict[str, str]:
     """Which matrices would go through torch's fused CPU kernels here, and why not where not:
-    the checkpoint's own int4 experts, and the int8 and int4 draft copies (kernels.py; a copy
-    they do not take goes to the block kernels where those run)."""
+    the checkpoint's own int4 experts, and the int8 and int4 draft copies (quant.device_layout:
+    on the block kernels first where the engine computes as stored, `stored`)."""
     report = {f"experts {key}": why for key, why in expert_format(c, compute_dtype, device).kernels.items()}
     for mode in draft_modes(c.expert_quant):
-        choices = draft_kernel_choices(c.expert, mode, device)
-        notes = kernel_notes([(BITS[mode], *m) for m in expert_matrices(c.expert)], choices, device)
+        choices = draft_kernel_choices(c.expert, mode, device, stored)
+        notes = kernel_notes([(BITS[mode], *m) for m in expert_matrices(c.expert)], choices, device, stored)
         report.update({f"draft {key}": why for key, why in notes.items()})
     return report
 

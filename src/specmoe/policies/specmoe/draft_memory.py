@@ -70,7 +70,7 @@ class DraftMemory:
         self.runtime, self.cache = runtime, cache
         self.layers = list(c.draft_layer_ids)
         start = Start(runtime.checkpoint, opts.draft_memory, runtime.budget.limit, runtime.slot_bytes,
-                      runtime.device, runtime.dtype, opts.draft_quant, cache, draft_experts)
+                      runtime.device, runtime.dtype, opts.draft_quant, cache, draft_experts, runtime.computes_as_stored)
         self.limit, self.scratch, self.options, plan = start.limit, start.scratch, start.options, start.plan
         self.measured = start.errors is not None
         self.full_per_block = plan.full_per_block
@@ -124,7 +124,8 @@ class DraftMemory:
                                    block_weights=block_weights(self.rows))
             self.measured, self.rows = True, {}
         allocation = allocate(pick_shares(counts), self.options, self.copy_budget, full, at_least_one=True)
-        self.copies, read = load_copies(ckpt, allocation.copies(), self.cache, self.runtime.device, self.copies)
+        self.copies, read = load_copies(ckpt, allocation.copies(), self.cache, self.runtime.device, self.copies,
+                                        self.runtime.computes_as_stored)
         self.allocation, self.reload_bytes = allocation, self.reload_bytes + read
         if self.copies.nbytes > self.copy_budget:
             raise RuntimeError(f"internal: draft copies of {self.copies.nbytes} bytes exceed their "
@@ -149,12 +150,12 @@ class Start:
     is seen: its bytes, scratch, ways with their (cached or prior) errors, and `plan`."""
 
     def __init__(self, ckpt, value, budget_limit: int | None, slot_bytes: int, device, dtype, draft_quant: str,
-                 cache: Path | None, draft_experts: int | None = None):
+                 cache: Path | None, draft_experts: int | None = None, blocks: bool = False):
         c = ckpt.config
         self.limit = draft_memory_bytes(value, budget_limit)
         ways = draft_ways(draft_quant, c.expert_quant)
         self.errors = cached_errors(ckpt, cache, ways)  # None: not measured yet
-        nbytes, self.scratch = way_bytes(c, ways, slot_bytes, device, dtype)
+        nbytes, self.scratch = way_bytes(c, ways, slot_bytes, device, dtype, blocks)
         table = self.errors or default_errors(c.draft_layer_ids)
         self.options = Options(nbytes, mean_errors(table), ways, block_weights=block_weights(table))
         self.plan = start_plan(c, self.options, self.limit, self.scratch, slot_bytes, draft_quant, draft_experts)
@@ -162,9 +163,9 @@ class Start:
 
 
 def describe(ckpt, value, budget_limit: int | None, slot_bytes: int, device, dtype, draft_quant: str,
-             cache: Path | None) -> dict:
+             cache: Path | None, blocks: bool = False) -> dict:
     """`specmoe info --draft-memory`: what the draft would hold when the engine starts."""
-    start = Start(ckpt, value, budget_limit, slot_bytes, device, dtype, draft_quant, cache)
+    start = Start(ckpt, value, budget_limit, slot_bytes, device, dtype, draft_quant, cache, blocks=blocks)
     plan = start.plan
     return {"draft_memory": start.limit, "draft_holds": plan.count(), "draft_full_per_block": plan.full_per_block,
             "draft_full_bytes": start.full_bytes, "draft_copies_bytes": plan.nbytes - start.full_bytes,
@@ -175,12 +176,12 @@ def describe(ckpt, value, budget_limit: int | None, slot_bytes: int, device, dty
             "draft_note": "before routing is seen: the copies are chosen again from the picks after each prefill"}
 
 
-def way_bytes(config, ways, slot_bytes: int, device, dtype) -> tuple[dict[str, int], int]:
+def way_bytes(config, ways, slot_bytes: int, device, dtype, blocks: bool = False) -> tuple[dict[str, int], int]:
     """Device bytes per expert of each way, and the scratch the portable copies dequantize into."""
     nbytes, scratch = {FULL: slot_bytes}, 0
     for mode in ways:
         if mode != FULL:
-            nbytes[mode], s = draft_copy_bytes(config.expert, mode, device, dtype)
+            nbytes[mode], s = draft_copy_bytes(config.expert, mode, device, dtype, blocks)
             scratch = max(scratch, s)
     return nbytes, scratch
 

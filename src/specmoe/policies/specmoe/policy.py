@@ -25,6 +25,7 @@ from ...base.paths import offload_dir
 from ...experts.formats import expert_format
 from ...experts.quant import draft_copy_bytes, draft_modes
 from ...experts.quant_cache import quantize_all
+from ...kernels.blockdot import computes_as_stored
 from ...model.moe import Routing
 from ..offload import OffloadPolicy
 from .affinity import load_affinity, substitution_map
@@ -75,8 +76,9 @@ class SpecMoEPolicy(OffloadPolicy):
             modes = (*draft_modes(config.expert_quant), *paper) if options.draft_quant == "auto" else (options.draft_quant,)
         experts = len(config.draft_layer_ids) * config.num_experts
         need = []
+        blocks = computes_as_stored(options.dtype, config, device)  # as Runtime.computes_as_stored
         for mode in modes:
-            copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype)
+            copy, scratch = draft_copy_bytes(config.expert, mode, device, dtype, blocks)
             slots = cls.min_slots(config, replace(options, draft_quant=mode))
             every = mode != "none" and options.draft_memory is None  # copies of every expert substitute nothing
             tables = draft_table_bytes(config, options, device, every, whole_run=options.draft_memory is not None)
@@ -136,7 +138,8 @@ class SpecMoEPolicy(OffloadPolicy):
         modes = draft_modes(runtime.config.expert_quant) if auto else (opts.draft_quant,)
         copy_modes = list(itertools.takewhile(lambda m: m not in ("none", "auto"), modes))
         for mode in copy_modes:
-            quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, cache, runtime.device)
+            quantized = quantize_all(runtime.checkpoint, runtime.draft_keys, mode, cache, runtime.device,
+                                     runtime.computes_as_stored)
             need = quantized.nbytes + quantized.scratch_bytes(runtime.dtype)
             # --draft-experts 0: copies alone draft, so the last format is reserved (or refused, naming the budget)
             last_chance = opts.draft_experts == 0 and mode == copy_modes[-1]
