@@ -291,6 +291,31 @@ def test_prompt_past_context_says_context_length_exceeded(http):
     assert error["code"] == "context_length_exceeded" and "256" in error["message"]
 
 
+def test_one_request_generates_at_most_the_servers_max_output_tokens(offline):
+    """What one request may cost (specmoe serve --max-output-tokens): a chat without
+    max_tokens filled the context, on the demo model 1,016 tokens, past a fuzzer's 10 s limit
+    on two busy cores. The document states the limit, a larger max_tokens is a one-line 400
+    that names the flag, and a chat without max_tokens stops there."""
+    with serve_in_process(offline.engine, "m", max_output_tokens=20, ui=False) as url, \
+            httpx.Client(base_url=url, timeout=60) as http:
+        body = http.get("/openapi.json").json()["paths"]
+        schemas = {path: body[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+                   for path in ("/v1/completions", "/v1/chat/completions")}
+        assert [schemas["/v1/completions"]["max_tokens"]["maximum"], schemas["/v1/chat/completions"]["max_tokens"][
+            "maximum"], schemas["/v1/chat/completions"]["max_completion_tokens"]["maximum"]] == [20, 20, 20]
+        chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the lazy dog"}],
+                                                       "ignore_eos": True}).json()
+        assert chat["usage"]["completion_tokens"] == 20 and chat["choices"][0]["finish_reason"] == "length"
+        done = http.post("/v1/completions", json={"prompt": "the", "max_tokens": 20, "ignore_eos": True}).json()
+        assert done["usage"]["completion_tokens"] == 20
+        for path, field, body in (("/v1/completions", "max_tokens", {"prompt": "the"}),
+                                  ("/v1/chat/completions", "max_completion_tokens",
+                                   {"messages": [{"role": "user", "content": "the"}]})):
+            error = assert_error(http.post(path, json={**body, field: 21}), 400, field)
+            assert "\n" not in error["message"] and f"'{field}' must be at most 20, got 21" in error["message"]
+            assert "--max-output-tokens" in error["message"]
+
+
 def test_unknown_url_and_wrong_method_get_openai_errors(http):
     assert_error(http.get("/v1/nope"), 404)
     assert_error(http.post("/v1/models", json={}), 405)

@@ -127,6 +127,27 @@ def test_max_tokens_past_what_the_prompt_leaves_ends_at_the_context():
     assert err.value.param == "max_completion_tokens"
 
 
+def test_the_servers_max_output_tokens_bounds_max_tokens_and_the_chat_default():
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, "m", object())
+    assert chat.sampling_params(3, 100).max_tokens == 97  # no limit: what the context leaves
+    assert chat.sampling_params(3, 100, max_output_tokens=30).max_tokens == 30
+    assert parse_completion({"prompt": "hi"}, "m").sampling_params(3, 100, max_output_tokens=8).max_tokens == 8
+    assert parse_completion({"prompt": "hi", "max_tokens": 30}, "m").sampling_params(3, 100, 30).max_tokens == 30
+    with pytest.raises(APIError, match=r"^'max_tokens' must be at most 30, got 31: .*--max-output-tokens") as err:
+        parse_completion({"prompt": "hi", "max_tokens": 31}, "m").sampling_params(3, 100, 30)
+    assert err.value.status == 400 and err.value.param == "max_tokens" and "\n" not in err.value.message
+    with pytest.raises(APIError, match="at most 30, got 100") as err:  # past the context too: the lower bound
+        parse_completion({"prompt": "hi", "max_tokens": 100}, "m").sampling_params(3, 100, 30)
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_serve_refuses_a_max_output_tokens_below_one_in_one_line_before_loading(capsys):
+    from factories import run_cli
+
+    code, _, err = run_cli(capsys, "serve", "--max-output-tokens", "0", "--port", "0")
+    assert code == 2 and err.strip() == "specmoe: error: --max-output-tokens must be at least 1, got 0"
+
+
 def test_integral_numbers_are_integers_as_json_schema_counts_them():
     req = parse_completion(parse_json(b'{"prompt": [5.0, 1e1], "max_tokens": 4.0, "n": 1.0}'), "m")
     assert req.prompt == [5, 10] and req.max_tokens == 4

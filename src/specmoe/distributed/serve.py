@@ -29,7 +29,8 @@ from ..base.errors import SpecMoEError
 from ..flags import engine_options
 from ..server import metrics
 from ..server.app import create_app
-from ..server.command import bind, model_name, served_url, warn_if_open
+from ..server.command import bind, check_max_output_tokens, model_name, served_url, warn_if_open
+from ..server.protocol import DEFAULT_MAX_OUTPUT_TOKENS
 from .cluster import connect, cpu_threads, replica_resources, require_ray
 from .options import ReplicaOptions
 
@@ -72,11 +73,13 @@ class EngineServer:
     """One Serve replica: an engine and `specmoe serve`'s app over it. Serve calls
     `__serve_build_asgi_app__` after `__init__` (`serve.ingress()` without an app)."""
 
-    def __init__(self, model: str | None, options: dict, name: str, api_key: str | None, board):
+    def __init__(self, model: str | None, options: dict, name: str, api_key: str | None, board,
+                 max_output_tokens: int | None = DEFAULT_MAX_OUTPUT_TOKENS):
         from ray import serve
 
         self._stop, self.llm, self.served = threading.Event(), None, None
         self.name, self.api_key, self.board = name, api_key, board
+        self.max_output_tokens = max_output_tokens
         self.replica = serve.get_replica_context().replica_id.unique_id
         try:
             self.llm = LLM(model=model, **options)
@@ -85,7 +88,8 @@ class EngineServer:
             raise
 
     def __serve_build_asgi_app__(self):
-        app = create_app(self.llm.engine, self.name, api_key=self.api_key, cluster_metrics=self.cluster_metrics)
+        app = create_app(self.llm.engine, self.name, api_key=self.api_key, max_output_tokens=self.max_output_tokens,
+                         cluster_metrics=self.cluster_metrics)
         self.served = app.state.served
         threading.Thread(target=self._report_forever, name="specmoe-metrics", daemon=True).start()
         return app
@@ -118,7 +122,8 @@ class EngineServer:
 
 
 def start_serving(model: str | None, options: dict, placement: ReplicaOptions, *, name: str, host: str, port: int,
-                  api_key: str | None = None, access_log: bool = False) -> None:
+                  api_key: str | None = None, access_log: bool = False,
+                  max_output_tokens: int | None = DEFAULT_MAX_OUTPUT_TOKENS) -> None:
     """Deploy `placement.replicas` engine replicas on the connected Ray cluster behind
     http://host:port; returns when every replica answers."""
     ray = require_ray()
@@ -138,7 +143,8 @@ def start_serving(model: str | None, options: dict, placement: ReplicaOptions, *
         max_constructor_retry_count=1,  # a replica that cannot start fails the run
     )
     try:
-        serve.run(replica.bind(model, options, name, api_key, board), name=APP_NAME, route_prefix="/",
+        serve.run(replica.bind(model, options, name, api_key, board, max_output_tokens), name=APP_NAME,
+                  route_prefix="/",
                   logging_config=logging_config)
     except RuntimeError:
         why = ray.get(board.why_not_started.remote())
@@ -157,6 +163,7 @@ def run_serve(args) -> int:
     """`specmoe serve --replicas N`: serve until interrupted (Ctrl-C or SIGTERM)."""
     if args.max_batch_size < 1:
         raise SpecMoEError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    check_max_output_tokens(args.max_output_tokens)
     placement = ReplicaOptions(args.replicas, args.replica_cpus, args.ray_address)
     options = engine_options(args, max_batch_size=args.max_batch_size)
     EngineConfig.from_kwargs(**options)  # a bad flag fails before Ray starts
@@ -169,7 +176,7 @@ def run_serve(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # run the finally below
     try:
         start_serving(model, options, placement, name=name, host=args.host, port=port, api_key=api_key,
-                      access_log=args.access_log)
+                      access_log=args.access_log, max_output_tokens=args.max_output_tokens)
         print(f"specmoe: serving {name} at {served_url(host, port)} on {args.replicas} replicas "
               f"(policy {args.policy}, batch up to {args.max_batch_size} each"
               f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ from . import metrics, openapi, tokens
 from .logprobs import LogprobsWriter, merge
 from .loop import EngineLoop, RequestHandle
 from .protocol import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
     MAX_BODY_BYTES,
     READ_METHODS,
     APIError,
@@ -63,17 +64,21 @@ class Served:
     loop: EngineLoop
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    max_output_tokens: int | None = DEFAULT_MAX_OUTPUT_TOKENS  # the most tokens one request may generate
     started: int = field(default_factory=lambda: int(time.time()))  # the model card's `created`
     http_errors: Counter[int] = field(default_factory=Counter)  # error responses by status, for /metrics
     # a replica of several (specmoe serve --replicas): async (served) -> the /metrics text of them all
     cluster_metrics: Callable[[Served], Awaitable[str]] | None = None
 
 
-def create_app(engine, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, ui: bool = True, cluster_metrics=None) -> FastAPI:
+def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               max_output_tokens: int | None = DEFAULT_MAX_OUTPUT_TOKENS, ui: bool = True,
+               cluster_metrics=None) -> FastAPI:
     """The app serving `engine` under `model_name`; with `api_key`, /v1 needs `Authorization: Bearer KEY`;
+    a request generates at most `max_output_tokens` (None: as many as the context holds);
     with `ui`, the web page is at / (server/ui.py); `cluster_metrics` adds other replicas' counters to /metrics."""
-    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes, cluster_metrics=cluster_metrics)
+    served = Served(engine, model_name, EngineLoop(engine), api_key, max_body_bytes, max_output_tokens,
+                    cluster_metrics=cluster_metrics)
     app = FastAPI(title="specmoe", lifespan=run_engine_loop, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.openapi = openapi_document(served)
@@ -93,7 +98,8 @@ def openapi_document(served: Served) -> Callable[[], dict]:
 
     @functools.cache
     def document() -> dict:
-        return openapi.document(openapi.served_model(served.engine, served.model_name, served.api_key is not None))
+        return openapi.document(openapi.served_model(served.engine, served.model_name, served.api_key is not None,
+                                                     served.max_output_tokens))
 
     return document
 
@@ -286,7 +292,7 @@ async def generate(served: Served, request: Request, req: GenerateRequest):
         source_ids, prompt_ids = await run_in_threadpool(engine.request_ids, req.prompt, req.src_lang, req.tgt_lang)
     except SpecMoEError as exc:
         raise APIError(400, str(exc), req.prompt_param) from None
-    params = req.sampling_params(len(prompt_ids), engine.max_model_len)
+    params = req.sampling_params(len(prompt_ids), engine.max_model_len, served.max_output_tokens)
     handle = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), source_ids, want_stats=req.specmoe_stats)
     served.loop.submit(handle)
     rid = new_id(req.kind)

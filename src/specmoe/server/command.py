@@ -16,6 +16,7 @@ from pathlib import Path
 from ..api import LLM
 from ..base.errors import SpecMoEError
 from ..flags import add_engine_args, engine_options
+from .protocol import DEFAULT_MAX_OUTPUT_TOKENS
 
 DEMO_MODEL_NAME = "specmoe-demo"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -37,8 +38,16 @@ def register(subparsers) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, stop admitting and give requests in flight this long to finish; "
                         "then answer them with an error and exit (default 30; a second Ctrl-C exits at once)")
+    p.add_argument("--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS, metavar="N",
+                   help="the most tokens one request may generate: a larger max_tokens is a 400, and a chat "
+                        f"without max_tokens stops there (default {DEFAULT_MAX_OUTPUT_TOKENS}; at most the context)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the web page (playground and live view) at /")
     p.set_defaults(func=run_serve)
+
+
+def check_max_output_tokens(n: int) -> None:
+    if n < 1:
+        raise SpecMoEError(f"--max-output-tokens must be at least 1, got {n}")
 
 
 def model_name(args) -> str:
@@ -88,14 +97,16 @@ def run_serve(args) -> int:
         raise SpecMoEError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     if not 0 <= args.shutdown_timeout <= 24 * 3600:  # also refuses nan
         raise SpecMoEError(f"--shutdown-timeout must be 0..86400 seconds, got {args.shutdown_timeout}")
+    check_max_output_tokens(args.max_output_tokens)
     api_key = args.api_key or os.environ.get("SPECMOE_API_KEY") or None
     sock = bind(args.host, args.port)  # before loading the model: a busy port fails fast
     llm = LLM(model=args.model, **engine_options(args, max_batch_size=args.max_batch_size))
     name = model_name(args)
-    app = create_app(llm.engine, name, api_key=api_key, ui=not args.no_ui)
+    app = create_app(llm.engine, name, api_key=api_key, max_output_tokens=args.max_output_tokens, ui=not args.no_ui)
     host, port = sock.getsockname()[:2]
     print(f"specmoe: serving {name} at {served_url(host, port)} (policy {args.policy}, "
-          f"batch up to {args.max_batch_size}, context {llm.engine.max_model_len}"
+          f"batch up to {args.max_batch_size}, context {llm.engine.max_model_len}, "
+          f"at most {min(args.max_output_tokens, llm.engine.max_model_len - 1)} tokens a request"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     if not args.no_ui:
         print(f"specmoe: the web page (playground, live view) is at {served_url(host, port).removesuffix('/v1')}/",

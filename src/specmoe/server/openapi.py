@@ -5,7 +5,8 @@ terms, narrowed to this server and this model: one model name, n = 1, the OpenAI
 it does not implement only at their neutral value, `src_lang` / `tgt_lang` (with the
 model's language codes) only for an encoder-decoder model (which does not chat), no text
 prompts, chat or tokenizer endpoints for a model without a tokenizer, and the bounds the server checks
-(max_tokens within the context, token ids within the vocabulary, ...) in the schemas, with
+(max_tokens within the context and the server's --max-output-tokens, token ids within the
+vocabulary, ...) in the schemas, with
 the checks that tie one field to another as `if`/`then`. So a body the document allows is
 answered, and one it does not allow gets a 4xx OpenAI error object. The one limit no
 schema can state is a text's length in tokens: a prompt longer than the context is a 400
@@ -40,6 +41,7 @@ class ServedModel:
     languages: tuple[str, ...] = ()  # an encoder-decoder model's language codes (src_lang, tgt_lang)
     seq2seq: bool = False  # the prompt is the encoder's source: it may fill the context
     api_key: bool = False  # /v1 and the tokenizer endpoints need `Authorization: Bearer KEY`
+    max_output_tokens: int | None = None  # the most tokens one request may generate (None: the context's)
 
     @property
     def chats(self) -> bool:
@@ -47,13 +49,14 @@ class ServedModel:
         return self.tokenizer_vocab_size is not None and not self.seq2seq
 
 
-def served_model(engine, name: str, api_key: bool) -> ServedModel:
+def served_model(engine, name: str, api_key: bool, max_output_tokens: int | None = None) -> ServedModel:
     tokenizer, seq2seq = engine.tokenizer, engine.config.seq2seq is not None
     languages = ()
     if seq2seq and tokenizer is not None:  # a language is a special token of the tokenizer (engine/translation.py)
         languages = tuple(t for t in tokenizer.special_tokens() if LANGUAGE_CODE.match(t))
     return ServedModel(name, engine.max_model_len, engine.config.vocab_size,
-                       None if tokenizer is None else tokenizer.vocab_size, languages, seq2seq, api_key)
+                       None if tokenizer is None else tokenizer.vocab_size, languages, seq2seq, api_key,
+                       max_output_tokens)
 
 
 # --- building blocks ------------------------------------------------------------------------
@@ -100,9 +103,11 @@ def _token_ids(m: ServedModel, **extra) -> dict:
 
 
 def _max_tokens(m: ServedModel, minimum: int = 1) -> dict:
-    return _of("integer", minimum=minimum, maximum=m.max_model_len - 1,
-               description="at most the context less a one-token prompt; past what the prompt leaves, "
-                           "the answer ends at the context's end (finish_reason `length`)")
+    most = m.max_model_len - 1 if m.max_output_tokens is None else min(m.max_model_len - 1, m.max_output_tokens)
+    return _of("integer", minimum=minimum, maximum=most,
+               description="at most the context less a one-token prompt and the most tokens this server "
+                           "generates a request (specmoe serve --max-output-tokens); past what the prompt "
+                           "leaves, the answer ends at the context's end (finish_reason `length`)")
 
 
 def _stop() -> dict:

@@ -22,6 +22,10 @@ MAX_BODY_BYTES = 1 << 20  # request bodies above this get 413
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 1000  # streaming checks each new tail against every stop string
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The most tokens one request may generate (specmoe serve --max-output-tokens): what one request
+# can cost. A chat without max_tokens filled the demo model's context (1,016 tokens, 3.5 s on 2
+# cores, past a client's 10 s when the machine was busy); 512 answers in about 1.7 s there.
+DEFAULT_MAX_OUTPUT_TOKENS = 512
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # what a GET route takes: HEAD wherever GET is (RFC 9110); uvicorn sends a HEAD answer without its body
@@ -191,8 +195,10 @@ class GenerateRequest:
     def prompt_param(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """Sampling params with max_tokens checked against the context the prompt leaves."""
+    def sampling_params(self, prompt_len: int, max_model_len: int,
+                        max_output_tokens: int | None = None) -> SamplingParams:
+        """Sampling params with max_tokens checked against the context the prompt leaves and
+        the server's `max_output_tokens` (None: no limit but the context)."""
         room = max_model_len - prompt_len  # the engine needs prompt + output <= context
         if room < 1:
             raise invalid(
@@ -200,14 +206,21 @@ class GenerateRequest:
                 f"{self.prompt_param} is {prompt_len} tokens long. Please shorten it.",
                 self.prompt_param, "context_length_exceeded",
             )
+        cap = max_output_tokens if max_output_tokens is not None else max_model_len
         max_tokens = self.max_tokens
-        if max_tokens is None:
-            max_tokens = room if self.kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+        if max_tokens is None:  # chat: as many as the context leaves, up to the server's limit
+            max_tokens = min(room, cap) if self.kind == "chat" else min(COMPLETION_DEFAULT_MAX_TOKENS, room, cap)
         elif max_tokens > max_model_len - 1:  # more than any prompt leaves: the document's maximum
             raise invalid(
-                f"'{self.max_tokens_param}' must be at most {max_model_len - 1}, got {max_tokens}: this model's "
-                f"maximum context length is {max_model_len} tokens and a prompt takes at least one",
+                f"'{self.max_tokens_param}' must be at most {min(max_model_len - 1, cap)}, got {max_tokens}: this "
+                f"model's maximum context length is {max_model_len} tokens and a prompt takes at least one",
                 self.max_tokens_param, "context_length_exceeded",
+            )
+        elif max_tokens > cap:  # the document's maximum too: what one request may cost
+            raise invalid(
+                f"'{self.max_tokens_param}' must be at most {cap}, got {max_tokens}: this server generates at "
+                f"most {cap} tokens a request (specmoe serve --max-output-tokens); ask for fewer",
+                self.max_tokens_param,
             )
         # more than this prompt leaves: the answer ends where the context does (finish_reason "length"),
         # as a request for exactly that many would; the document cannot know a prompt's tokens
