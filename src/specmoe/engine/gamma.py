@@ -1,12 +1,15 @@
 """Choosing gamma (draft tokens per speculative step) from what the steps measure.
 
 A step at gamma g costs g draft passes and one verification pass, and gives each sequence
-its accepted drafts plus one token. With each draft token accepted with probability a (the
-paper's model), a sequence gets E(g) = 1 + a + ... + a^g tokens a step. The tuner measures
-a, the time of a draft pass and the verification's time at gamma 0 (plain decoding) and at
-the gamma it runs, and moves to the gamma with the most tokens per second under that model.
-Gamma 0 is plain decoding: where drafts are rejected or cost more than they save the model
-says so after a step or two, and the run is not slower than not speculating.
+its accepted drafts plus one token. The tuner measures how deep drafts are accepted (the
+share of sequences whose draft was accepted to position j, for every j drafted), the time
+of a draft pass, and the verification's time at gamma 0 (plain decoding) and at the gammas
+it runs, and moves to the gamma with the most tokens per second. Acceptance is not taken
+as one rate per token: on real text some sequences accept whole drafts (repetitions,
+code) while others reject the first token, and long drafts pay for the first kind; the
+depth curve keeps both. Gamma 0 is plain decoding: where drafts are rejected or cost more
+than they save the measurements say so after a step or two, and the run is not slower
+than not speculating.
 
 Plain Python: `GammaTuner` sees only counts and seconds (`StepMeasure`), so the rule is
 tested without a model.
@@ -21,55 +24,82 @@ from ..base.config import MAX_GAMMA
 
 @dataclass(frozen=True)
 class StepMeasure:
-    """One full speculative step of the running batch (every sequence drafted `gamma`)."""
+    """One speculative step of the running batch."""
 
-    gamma: int
-    accepted: int  # draft tokens accepted, over the batch
-    rejections: int  # sequences whose draft a rejection cut short
+    gamma: int  # the longest draft of the step
+    drafts: tuple[tuple[int, int], ...]  # per sequence: (tokens drafted, of them accepted)
     draft_s: float
     verify_s: float
 
 
-def expected_tokens(acceptance: float, gamma: int) -> float:
-    """A sequence's tokens per step: the accepted drafts (a geometric run) plus one."""
-    return sum(acceptance ** k for k in range(gamma + 1))
+class AcceptanceDepth:
+    """How deep drafts are accepted: for each position j, the share of the sequences that
+    drafted j or more tokens whose first j were accepted (counts decayed by `memory` per
+    step, so that the curve follows the text). A sequence's expected tokens from a step of
+    gamma g is 1 plus that share summed over j = 1..g; past the deepest position measured
+    (`measured_to`) the curve goes on falling as it fell over its last measured position."""
+
+    def __init__(self, memory: float):
+        self.memory = memory
+        self.drafted = [0.0] * (MAX_GAMMA + 1)  # index j: sequences that drafted j or more
+        self.reached = [0.0] * (MAX_GAMMA + 1)  # ... and had their first j accepted
+
+    def record(self, drafts) -> None:
+        self.drafted = [self.memory * n for n in self.drafted]
+        self.reached = [self.memory * n for n in self.reached]
+        for drafted, accepted in drafts:
+            for j in range(1, min(drafted, MAX_GAMMA) + 1):
+                self.drafted[j] += 1
+                self.reached[j] += accepted >= j
+
+    @property
+    def measured_to(self) -> int:
+        """The deepest position still measured: drafted by at least one sequence's worth of
+        decayed counts (a position not drafted for a while is forgotten, and extrapolated)."""
+        return max((j for j in range(1, MAX_GAMMA + 1) if self.drafted[j] >= 1.0), default=0)
+
+    def share(self, j: int) -> float:
+        """The share of sequences whose first j drafts are accepted."""
+        deepest = self.measured_to
+        if deepest == 0:
+            return 0.5 ** j  # nothing drafted yet: a coin per token
+        if j <= deepest:
+            return (self.reached[j] + 1e-3) / (self.drafted[j] + 2e-3)
+        last = self.share(deepest)
+        step = last / self.share(deepest - 1) if deepest > 1 else last
+        return last * min(step, 1.0) ** (j - deepest)
+
+    def expected_tokens(self, gamma: int) -> float:
+        return 1 + sum(self.share(j) for j in range(1, gamma + 1))
 
 
 class GammaTuner:
-    """Picks each step's gamma from measured acceptance and pass times.
+    """Picks each step's gamma from measured acceptance depth and pass times.
 
-    - acceptance: accepted / (accepted + rejections), each count decayed by `memory` per
-      step so that it follows the text;
+    - acceptance: `AcceptanceDepth`;
     - a draft pass's seconds, and verification's seconds at each gamma run (moving averages);
     - verification time at a gamma not run is the straight line through the measured ones
       (through plain decoding's and the nearest measured gamma's beyond the last).
 
     The first step runs at the given gamma, the second plain (to measure gamma 0); from then
-    on each step runs at the model's best gamma, at most twice the largest one measured plus
-    one (the line is not trusted far out). Plain decoding is measured again every `reprobe`
-    steps, and from gamma 0 a draft is tried again after `reprobe` plain steps (acceptance
-    changes with the text).
+    on each step runs at the gamma predicted fastest, at most twice the largest one measured
+    plus one (the line is not trusted far out). Plain decoding is measured again every
+    `reprobe` steps, and from gamma 0 a draft is tried again after `reprobe` plain steps.
     """
 
-    def __init__(self, gamma: int, max_gamma: int = MAX_GAMMA, reprobe: int = 32, memory: float = 0.8,
+    def __init__(self, gamma: int, max_gamma: int = MAX_GAMMA, reprobe: int = 32, memory: float = 0.9,
                  smoothing: float = 0.5):
         self.gamma, self.max_gamma, self.reprobe = gamma, max_gamma, reprobe
-        self.memory, self.smoothing = memory, smoothing
-        self.accepted = 0.0
-        self.rejections = 0.0
+        self.smoothing = smoothing
+        self.depth = AcceptanceDepth(memory)
         self.draft_pass_s: float | None = None
         self.verify_s: dict[int, float] = {}  # gamma -> seconds of its verification pass
         self.plain_steps = 0  # steps at gamma 0
         self._since_plain = 0  # steps since gamma 0 was measured
         self._plain_run = 0  # consecutive steps at gamma 0
 
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance, with one pseudo-count each way (never exactly 0 or 1)."""
-        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
-
     def update(self, step: StepMeasure) -> int:
-        """Record a full step; return the gamma for the next one."""
+        """Record a step; return the gamma for the next one."""
         g = step.gamma
         self._average(g, step)
         if g == 0:
@@ -91,8 +121,7 @@ class GammaTuner:
 
         self.verify_s[g] = blend(self.verify_s.get(g), step.verify_s)
         if g > 0:
-            self.accepted = self.memory * self.accepted + step.accepted
-            self.rejections = self.memory * self.rejections + step.rejections
+            self.depth.record(step.drafts)
             self.draft_pass_s = blend(self.draft_pass_s, step.draft_s / g)
 
     def predicted_verify_s(self, g: int) -> float:
@@ -112,12 +141,11 @@ class GammaTuner:
     def rate(self, g: int) -> float:
         """Predicted tokens per second of a sequence at gamma `g`."""
         seconds = self.predicted_verify_s(g) + g * (self.draft_pass_s or 0.0)
-        return expected_tokens(self.acceptance, g) / max(seconds, 1e-9)
+        return self.depth.expected_tokens(g) / max(seconds, 1e-9)
 
     def best(self, positive: bool = False) -> int:
-        """The gamma the model predicts fastest, within reach of what was measured."""
-        reach = min(self.max_gamma, 2 * max(self.verify_s) + 1)
-        candidates = range(1 if positive else 0, reach + 1)
+        """The gamma predicted fastest, within reach of what was measured."""
         if self.draft_pass_s is None:  # no draft measured yet: nothing to compare
             return self.gamma
-        return max(candidates, key=self.rate)
+        reach = min(self.max_gamma, 2 * max(self.verify_s) + 1)
+        return max(range(1 if positive else 0, reach + 1), key=self.rate)

@@ -46,7 +46,7 @@ class SpeculativeDecoder:
         fed = [[s.pending] + d for s, d in zip(seqs, drafts)]
         with engine.pass_scope("verify") as experts:
             logits = engine.forward_logits(experts, [s.slot for s in seqs], fed, rows="all")
-        produced = rejections = 0
+        produced = 0
         accepted_lengths = []
         sizes = [len(f) for f in fed]
         argmax = logits.argmax(-1).tolist()  # the target's choice at every verified position, in one call
@@ -63,7 +63,6 @@ class SpeculativeDecoder:
             counters.drafted += len(draft)
             counters.accepted += accepted
             counters.rejected += accepted < len(draft)
-            rejections += accepted < len(draft)
             seq.drafted += len(draft)
             seq.accepted += accepted
             accepted_lengths.append(accepted)
@@ -75,8 +74,8 @@ class SpeculativeDecoder:
         counters.draft_s += t1 - t0
         counters.verify_s += t2 - t1
         if self.tuner:  # a step cut short near max_tokens counts at the length it drafted
-            measure = StepMeasure(max(lengths, default=0), sum(accepted_lengths), rejections, t1 - t0, t2 - t1)
-            self.gamma = self.tuner.update(measure)
+            drafted = tuple(zip((len(d) for d in drafts), accepted_lengths))
+            self.gamma = self.tuner.update(StepMeasure(max(lengths, default=0), drafted, t1 - t0, t2 - t1))
         return produced
 
     def _draft(self, seqs, lengths):
