@@ -68,7 +68,7 @@ def test_auto_plans_the_papers_draft_only_once_measured(tiny_ckpt):
     c = ckpt.config
     runtime = SimpleNamespace(checkpoint=ckpt, config=c, budget=SimpleNamespace(limit=None),
                               expert_keys=[(0, e) for e in range(c.num_experts)], expert_bytes=4 * c.expert_params,
-                              device=torch.device("cpu"), dtype=torch.float32)
+                              device=torch.device("cpu"), dtype=torch.float32, computes_as_stored=False)
     assert _draft_knowledge(runtime)["draft_quants"] == ("int8",)
     history.record(ckpt.fingerprint(), "none@2", 0.6, 100)
     known = _draft_knowledge(runtime)

@@ -73,7 +73,10 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         counters.draft_s += t1 - t0
         counters.verify_s += t2 - t1
-        if self.tuner:  # a step cut short near max_tokens counts at the length it drafted
+        # a seeded sampled sequence's tokens depend on its drafts' lengths, and an adapted gamma
+        # on timing: while one runs, gamma stays where it is, so that its seed reproduces it
+        seeded = any(s.params.seed is not None and not s.params.greedy for s in seqs)
+        if self.tuner and not seeded:  # a step cut short near max_tokens counts at the length it drafted
             drafted = tuple(zip((len(d) for d in drafts), accepted_lengths))
             self.gamma = self.tuner.update(StepMeasure(max(lengths, default=0), drafted, t1 - t0, t2 - t1))
         return produced
