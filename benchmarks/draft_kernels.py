@@ -1,8 +1,9 @@
 """The layouts a draft's int8 / int4 expert copy can be multiplied in on the CPU, timed on
 the real-size model's expert matrices (gate and up 4096 x 2048, down 2048 x 2048), at the
 rows a draft pass gives one expert (1, 4, 16, 64). Eight distinct copies in rotation so that
-no product finds its weights in cache; rounds interleaved, the median reported with the
-lowest and highest round.
+no product finds its weights in cache; rounds interleaved, each layout's after 0.3 s of its
+own calls (torch's thread pool spins after its calls and would take the cores from the
+block kernels' threads), the median reported with the lowest and highest round.
 
     python benchmarks/draft_kernels.py --json draft-kernels.json     # docs/KERNELS.md's draft table
 
@@ -46,6 +47,9 @@ def layouts(bits: int, out: int, inp: int, gen) -> dict:
 
 
 def one_round(matrices, x) -> float:
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.3:  # past the other thread pool's busy wait (it would take the cores)
+        matrices[0].linear(x)
     start = time.perf_counter()
     for m in matrices:
         m.linear(x)
