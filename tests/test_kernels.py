@@ -18,7 +18,7 @@ from factories import random_prompts
 
 from specmoe import LLM, SamplingParams
 from specmoe.base.errors import SpecMoEError
-from specmoe.experts import kernel_check, kernels, quant
+from specmoe.experts import copy_layouts, kernel_check, kernels
 from specmoe.experts.kernels import ALIGN, Shape
 from specmoe.experts.quant import (
     BlockMatrix,
@@ -90,7 +90,7 @@ def test_an_unaligned_matrix_is_copied_and_an_aligned_one_kept():
 # and what each call hands the kernel is printed before the kernel runs.
 GUARDS = """
 import json, sys, torch
-from specmoe.experts import kernels, quant
+from specmoe.experts import copy_layouts, kernels
 from specmoe.experts.kernels import ALIGN
 from specmoe.experts.quant import Int4KernelMatrix, Int8KernelMatrix, QuantizedMatrix, quantize_matrix
 
@@ -125,7 +125,7 @@ def watch(original):
         return original(x, w, *rest)
     return call
 
-quant.int8_mm, quant.int4_mm = watch(kernels.int8_mm), watch(kernels.int4_mm)
+copy_layouts.int8_mm, copy_layouts.int4_mm = watch(kernels.int8_mm), watch(kernels.int4_mm)
 bits = 8 if kernel == "int8" else 4
 q = quantize_matrix(torch.randn(4, 32, 128, generator=gen) * 0.1, bits)
 moved = QuantizedMatrix(unaligned(q.data), unaligned(q.scales, 24), bits, 128)  # read back 8 and 24 bytes off
@@ -175,7 +175,7 @@ def test_weights_loaded_at_an_unaligned_offset_reach_the_int8_kernel_aligned(mon
         seen.append((codes.data_ptr() % ALIGN, scales.data_ptr() % ALIGN, codes.is_contiguous()))
         return original(x, codes, scales)
 
-    monkeypatch.setattr(quant, "int8_mm", watch)
+    monkeypatch.setattr(copy_layouts, "int8_mm", watch)
     require_fused(Shape("int8", 48, 64))
     k = device_layout(moved, CPU)
     assert isinstance(k, Int8KernelMatrix)
@@ -368,7 +368,7 @@ def test_the_second_run_from_the_copies_cache_gives_residents_tokens(k24_checkpo
             handed.append(all(t.data_ptr() % ALIGN == 0 for t in (w, rest[-1])))
             return _original(x, w, *rest)
 
-        monkeypatch.setattr(quant, name, watch)
+        monkeypatch.setattr(copy_layouts, name, watch)
     runs = []
     for _ in range(2):
         llm = LLM(model=str(path), device="cpu", policy="specmoe", offload="host", draft_quant=mode, gamma=3,

@@ -49,22 +49,15 @@ import torch.nn.functional as F
 from ..base.errors import SpecMoEError
 from ..base.specs import ExpertSpec
 from ..model.layers import as_dtype, expert_activation
-from ..base.gguf_quants import dequantize as dequantize_blocks
-from ..base.gguf_quants import row_bytes
-from ..kernels import blockdot
 from ..model.moe import ExpertGroups, expert_forward, expert_views
-from .kernels import (
-    KernelChoice,
-    Shape,
-    aligned,
-    aligned_stack,
-    choose,
-    int4_mm,
-    int4_pack,
-    int8_mm,
-    padded,
-    stack_bytes,
+from .copy_layouts import (
+    BlockMatrix,
+    Int4KernelMatrix,
+    Int8KernelMatrix,
+    block_bytes,
+    block_type,
 )
+from .kernels import KernelChoice, Shape, choose, padded
 from .packing import pack, packed_size, unpack
 
 QUANT_MODES = ("none", "int8", "int4", "int3", "int2")
@@ -148,13 +141,6 @@ class QuantizedMatrix:
         return self.out_features * self.in_features * torch.tensor([], dtype=dtype).element_size()
 
 
-# torch's fused weight-only matmuls on the CPU (kernels.py chooses where they may run):
-# int4, the kernel behind gpt-fast's int4, W = (q_u - 8) * s + z per group; int8, x times
-# int8 codes with one bfloat16 scale per output row (the int8 format's grid). Both take
-# bfloat16 activations, run without a dequantized copy, and are several times faster than
-# dequantizing a small expert per call.
-
-
 def kernel_shape(bits: int, out_features: int, in_features: int) -> Shape | None:
     """The fused kernel's shape class for a matrix of this format, or None (no kernel takes int3)."""
     if bits == 8:
@@ -164,152 +150,20 @@ def kernel_shape(bits: int, out_features: int, in_features: int) -> Shape | None
     return None
 
 
-@dataclass(frozen=True)
-class Int4KernelMatrix:
-    """An int4 QuantizedMatrix in the layout of torch's CPU int4 matmul, each expert's
-    tensors 64-byte aligned."""
-
-    packed: torch.Tensor  # uint8 [..., out, in / 2], torch's CPU int4pack layout
-    scales_zeros: torch.Tensor  # bfloat16 [..., in / group, out, 2]: (scale, 0)
-    group: int
-    in_features: int
-
-    @classmethod
-    def from_quantized(cls, q: QuantizedMatrix) -> Int4KernelMatrix:
-        out = q.out_features
-        lead = q.scales.shape[:-2]
-        codes = unpack(q.data, 4, out * q.in_features).reshape(-1, out, q.in_features).to(torch.int32)
-        packed = torch.stack([int4_pack(c) for c in codes])
-        scales = q.scales.to(torch.bfloat16).transpose(-1, -2)  # [..., groups, out]
-        scales_zeros = torch.stack([scales, torch.zeros_like(scales)], dim=-1)
-        packed, scales_zeros = packed.reshape(*lead, *packed.shape[1:]), scales_zeros.contiguous()
-        return cls(*(aligned_stack(t) if lead else aligned(t) for t in (packed, scales_zeros)), q.group, q.in_features)
-
-    @property
-    def nbytes(self) -> int:
-        stacked = self.packed.dim() == 3
-        return stack_bytes(self.packed, stacked) + stack_bytes(self.scales_zeros, stacked)
-
-    def select(self, index) -> Int4KernelMatrix:
-        return Int4KernelMatrix(self.packed[index], self.scales_zeros[index], self.group, self.in_features)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return as_dtype(int4_mm(as_dtype(x, torch.bfloat16), self.packed, self.group, self.scales_zeros), x.dtype)
-
-    def scratch_bytes(self, dtype: torch.dtype) -> int:
-        return 0
-
-
-@dataclass(frozen=True)
-class Int8KernelMatrix:
-    """An int8 QuantizedMatrix in the layout of torch's CPU int8 matmul: the same codes,
-    the row scales in bfloat16, each expert's codes and scales 64-byte aligned (`aligned_stack`)."""
-
-    codes: torch.Tensor  # int8 [..., out, in]
-    scales: torch.Tensor  # bfloat16 [..., out]
-    in_features: int
-
-    @classmethod
-    def from_quantized(cls, q: QuantizedMatrix) -> Int8KernelMatrix:
-        stacked = q.data.dim() == 3
-        codes, scales = q.data, q.scales.to(torch.bfloat16)[..., 0]
-        return cls(*(aligned_stack(t) if stacked else aligned(t) for t in (codes, scales)), q.in_features)
-
-    @property
-    def nbytes(self) -> int:
-        stacked = self.codes.dim() == 3
-        return stack_bytes(self.codes, stacked) + stack_bytes(self.scales, stacked)
-
-    def select(self, index) -> Int8KernelMatrix:
-        return Int8KernelMatrix(self.codes[index], self.scales[index], self.in_features)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return as_dtype(int8_mm(as_dtype(x, torch.bfloat16), self.codes, self.scales), x.dtype)
-
-    def scratch_bytes(self, dtype: torch.dtype) -> int:
-        return 0
-
-
-# --- the same codes as ggml blocks, for specmoe's own block kernels ------------------------------
-
-BLOCK = 32  # values per Q8_0 / Q4_0 block, each with one float16 scale
-BLOCK_TYPES = {8: "Q8_0", 4: "Q4_0"}
-
-
-def block_type(bits: int, in_features: int, device) -> str | None:
-    """The ggml block type a copy of this format can be re-encoded in exactly on `device`, or
-    None: on the CPU where the block kernels run, for int8 and int4 whose groups hold whole
-    blocks (the layout of copies torch's fused kernels do not take: device_layout)."""
-    if bits not in BLOCK_TYPES or in_features % BLOCK or group_size(in_features, bits) % BLOCK:
-        return None
-    if torch.device(device).type != "cpu" or not blockdot.available():
-        return None
-    return BLOCK_TYPES[bits]
-
-
-@dataclass(frozen=True)
-class BlockMatrix:
-    """An int8 or int4 QuantizedMatrix as ggml Q8_0 / Q4_0 rows: the same codes and float16
-    scales (a block's scale is its row's or group's), so the same weights, multiplied by
-    blockdot.c with the activations rounded to 8 bits per block as llama.cpp does (a draft
-    only proposes tokens: verification decides them)."""
-
-    raw: torch.Tensor  # uint8 [..., out * row_bytes]
-    type_name: str
-    out_features: int
-    in_features: int
-
-    @classmethod
-    def from_quantized(cls, q: QuantizedMatrix) -> BlockMatrix:
-        out, n = q.out_features, q.in_features
-        lead = q.scales.shape[:-2]
-        scales = q.scales.repeat_interleave(q.group // BLOCK, dim=-1).contiguous()  # [..., out, n / 32]
-        head = scales.view(torch.uint8).reshape(*lead, out, n // BLOCK, 2)
-        if q.bits == 8:
-            body = q.data.view(torch.uint8).reshape(*lead, out, n // BLOCK, BLOCK)
-        else:  # Q4_0: value j of a block in byte j's low nibble, value j + 16 in its high one
-            codes = unpack(q.data, 4, out * n).reshape(*lead, out, n // BLOCK, BLOCK)
-            body = codes[..., :16] | (codes[..., 16:] << 4)
-        raw = torch.cat([head, body], dim=-1).reshape(*lead, -1).contiguous()
-        return cls(raw, BLOCK_TYPES[q.bits], out, n)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
-
-    def select(self, index) -> BlockMatrix:
-        return BlockMatrix(self.raw[index].contiguous(), self.type_name, self.out_features, self.in_features)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_blocks(self.raw, self.type_name, self.out_features, self.in_features, dtype)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        y = blockdot.matmul_q(blockdot.quantize(flat, self.type_name), self.raw, self.type_name, self.out_features)
-        return as_dtype(y.reshape(*x.shape[:-1], self.out_features), x.dtype)
-
-    def scratch_bytes(self, dtype: torch.dtype) -> int:
-        return 0
-
-
-def block_bytes(bits: int, out_features: int, in_features: int) -> int:
-    return out_features * row_bytes(BLOCK_TYPES[bits], in_features)
-
-
 def device_layout(q: QuantizedMatrix, device, choices: dict[Shape, KernelChoice] | None = None,
                   blocks: bool = False) -> QuantizedMatrix | BlockMatrix | Int4KernelMatrix | Int8KernelMatrix:
     """The matrix as the draft will hold it on `device`: ggml blocks first where the engine
     runs on the block kernels (`blocks`) and they take it, else a fused kernel's layout where
     `choices` (default: `kernels.choose` for this matrix) let it, else ggml blocks where the
     block kernels take it (`block_type`), else the portable format (dequantized per call)."""
-    if blocks and block_type(q.bits, q.in_features, device) is not None:
+    if blocks and block_type(q.bits, q.in_features, q.group, device) is not None:
         return BlockMatrix.from_quantized(q)
     shape = kernel_shape(q.bits, q.out_features, q.in_features)
     if shape is not None and choices is None:
         choices = choose([shape], device)
     if shape is not None and choices[shape].fused:
         return Int4KernelMatrix.from_quantized(q) if q.bits == 4 else Int8KernelMatrix.from_quantized(q)
-    if block_type(q.bits, q.in_features, device) is not None:
+    if block_type(q.bits, q.in_features, q.group, device) is not None:
         return BlockMatrix.from_quantized(q)
     return q.to(device)
 
@@ -412,7 +266,7 @@ def draft_kernel_choices(spec: ExpertSpec, mode: str, device, blocks: bool = Fal
     (no verdict for the matrices the block kernels take first: `blocks`, device_layout)."""
     bits = BITS[mode]
     shapes = [kernel_shape(bits, out, in_features) for out, in_features in expert_matrices(spec)
-              if not (blocks and block_type(bits, in_features, device))]
+              if not (blocks and block_type(bits, in_features, group_size(in_features, bits), device))]
     return choose([s for s in shapes if s is not None], device)
 
 
@@ -421,7 +275,8 @@ def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device, blocks: b
     device_layout gives it, and why."""
     notes = {}
     for bits, out, in_features in matrices:
-        shape, kind = kernel_shape(bits, out, in_features), block_type(bits, in_features, device)
+        shape = kernel_shape(bits, out, in_features)
+        kind = block_type(bits, in_features, group_size(in_features, bits), device)
         choice = choices.get(shape)
         key = shape.key if shape is not None else f"int{bits} N={out} K={in_features}"
         if kind is not None and blocks:
@@ -449,13 +304,14 @@ def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float
     for out, in_features in expert_matrices(spec):
         shape, groups = kernel_shape(bits, out, in_features), in_features // group_size(in_features, bits)
         fused = shape in choices and choices[shape].fused
-        if blocks and device is not None and block_type(bits, in_features, device) is not None:
+        block = device is not None and block_type(bits, in_features, group_size(in_features, bits), device)
+        if blocks and block:
             copy += block_bytes(bits, out, in_features)
         elif fused and bits == 4:
             copy += out * in_features // 2 + groups * out * 2 * 2  # int4 pairs + bfloat16 (scale, zero)
         elif fused:  # int8 kernel: the same codes and bfloat16 row scales, each 64-byte aligned
             copy += padded(out * in_features, 1) + 2 * padded(out, 2)
-        elif device is not None and block_type(bits, in_features, device) is not None:
+        elif block:
             copy += block_bytes(bits, out, in_features)
         else:
             copy += packed_size(out * in_features, bits) + out * groups * torch.tensor([], dtype=SCALE_DTYPE).element_size()
@@ -495,7 +351,8 @@ class QuantizedExperts:
         """On `device`, in the layouts device_layout gives them (one self-check for all the
         shapes a fused kernel may take)."""
         matrices = {(m.bits, m.out_features, m.in_features) for q in self.layers.values() for m in (q.gate_up, q.down)}
-        shapes = {kernel_shape(*m) for m in matrices if not (blocks and block_type(m[0], m[2], device))} - {None}
+        shapes = {kernel_shape(*m) for m in matrices
+                  if not (blocks and block_type(m[0], m[2], group_size(m[2], m[0]), device))} - {None}
         choices = choose(sorted(shapes, key=lambda s: s.key), device)
         layers = {l: q.to(device, choices, blocks) for l, q in self.layers.items()}
         moved = QuantizedExperts(self.mode, layers, self.spec)
