@@ -62,6 +62,22 @@ def test_it_holds_half_the_bytes_of_the_float32_reference(bf16_ckpt):
     stored.close(), reference.close()
 
 
+def test_a_share_of_the_experts_is_the_same_number_of_experts_as_in_float32(bf16_ckpt, tmp_path):
+    """--device-memory 50 %: half the experts in the pool whether they are held as stored
+    (bfloat16 slots) or widened to float32 (it once took the float32 bytes as the experts'
+    and gave a bfloat16 pool every expert)."""
+    path = bf16_ckpt("mixtral")
+    options = dict(policy="ondemand", device_memory="50%", offload_dir=str(tmp_path))
+    stored, reference = llm(path, **options), llm(path, dtype="float32", **options)
+    total = len(stored.config.moe_layer_ids) * stored.config.num_experts
+    for e in (stored, reference):
+        budget, slot = e.engine.budget, e.engine.policy.pool.slot_bytes
+        room = budget.limit - budget.by_item["non-expert weights"] - budget.by_item["KV cache"]
+        assert room // slot == total // 2, (room / slot, total)  # experts' room: half of them
+    assert stored.engine.policy.pool.slot_bytes * 2 == reference.engine.policy.pool.slot_bytes
+    stored.close(), reference.close()
+
+
 @pytest.mark.parametrize("policy", ["resident", "specmoe"])
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(bf16_ckpt, tmp_path, policy):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)

@@ -139,7 +139,8 @@ class Engine:
                                    blockdot.as_stored(options.dtype, self.device)).slot_bytes  # as Runtime's
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
-        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes), minimum)
+        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes, slot_bytes),
+                                   minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         model_class = EncoderDecoderTransformer if self.config.seq2seq else MoETransformer
         self.model = model_class(self.config, weights, self.device, self.dtype, invariant=self.as_stored)
@@ -180,13 +181,15 @@ class Engine:
         """Draft tokens per speculative step now (None without speculation)."""
         return self.decoder.gamma if self.decoder else None
 
-    def _budget_bytes(self, device_memory, non_expert: int, kv: int) -> int | None:
-        """Absolute budgets pass through; '30%' is non-expert weights + KV cache + 30 % of experts."""
+    def _budget_bytes(self, device_memory, non_expert: int, kv: int, slot_bytes: int) -> int | None:
+        """Absolute budgets pass through; '30%' is non-expert weights + KV cache + 30 % of the
+        experts as the device holds them (`slot_bytes` each: a bfloat16 checkpoint's experts
+        held as stored take half a float32 slot), so a share is the same number of experts in
+        any encoding."""
         share = expert_share(device_memory)
         if share is None:
             return device_memory
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        experts = self.config.expert_bytes(elem) * len(self.config.moe_layer_ids) * self.config.num_experts
+        experts = slot_bytes * len(self.config.moe_layer_ids) * self.config.num_experts
         return int(non_expert + kv + share * experts)
 
     # --- requests ----------------------------------------------------------------------
