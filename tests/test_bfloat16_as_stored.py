@@ -101,3 +101,20 @@ def test_a_bf16_gguf_file_is_multiplied_as_stored(tmp_path):
     for g, w in zip(stored.score(PROMPTS), reference.score(PROMPTS)):
         assert (torch.as_tensor(g) - torch.as_tensor(w)).abs().max() < 1e-4
     stored.close(), reference.close()
+
+
+@pytest.mark.parametrize("encoding", ["stored", "float32"])
+def test_info_plans_the_budget_the_engine_takes(bf16_ckpt, tmp_path, encoding):
+    """`specmoe info --device-memory 50%` on a bfloat16 checkpoint: the budget, the non-expert
+    bytes and the expert bytes the engine then takes (info counted them at float32 once, 2x)."""
+    from specmoe.tools.info import model_info
+
+    path = bf16_ckpt("mixtral")
+    dtype = "auto" if encoding == "stored" else "float32"
+    info = model_info(str(path), device_memory="50%", dtype=dtype, batch_size=4, max_model_len=64, device="cpu")
+    engine = llm(path, policy="ondemand", device_memory="50%", dtype=dtype, offload_dir=str(tmp_path))
+    budget = engine.engine.budget
+    assert info["non_expert_bytes"] == budget.by_item["non-expert weights"]
+    assert info["device_memory"] == budget.limit
+    assert info["expert_bytes"] == engine.engine.policy.pool.expert_bytes
+    engine.close()

@@ -80,6 +80,21 @@ def test_on_a_gguf_file_the_draft_copies_run_on_the_engines_block_kernels(reside
     llm.close()
 
 
+@pytest.mark.parametrize(("family", "type_name"), [("mixtral", "Q4_0"), ("qwen3_moe", "BF16")])
+def test_info_plans_the_budget_the_engine_takes_on_a_gguf_file(resident, tmp_path, family, type_name):
+    """`specmoe info --device-memory 60%`: the non-expert bytes (the file's encodings where
+    kept) and the budget the engine then takes, byte for byte (info counted float32 once)."""
+    from specmoe.tools.info import model_info
+
+    path, _, _ = resident(family, type_name)
+    info = model_info(str(path), device_memory="60%", batch_size=SHAPE["max_batch_size"],
+                      max_model_len=SHAPE["max_model_len"], device="cpu")
+    llm = LLM(model=str(path), policy="ondemand", offload_dir=str(tmp_path), **{**SHAPE, "device_memory": "60%"})
+    budget = llm.engine.budget
+    assert (info["non_expert_bytes"], info["device_memory"]) == (budget.by_item["non-expert weights"], budget.limit)
+    llm.close()
+
+
 def _expert_bytes_in_file(path, layer: int = 0) -> int:
     """One expert's slices of the block's three stacked tensors, as the file stores them."""
     f = GGUFFile(path)

@@ -15,7 +15,7 @@ from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
-from ..experts.formats import checkpoint_format, expert_format
+from ..experts.formats import checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
@@ -64,8 +64,9 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     stored = blockdot.computes_as_stored(dtype, ckpt.config, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     # what the engine loads: not a vision tower, not multi-token-prediction layers
-    non_expert_params = sum(math.prod(ckpt.shape(n)) for n in ckpt.text_names() if not ckpt.is_routed_expert(n))
-    expert_bytes = c.expert_bytes(elem)  # as the tiers hold and move it: a quantized checkpoint's blob
+    # as the tiers hold and move an expert: a quantized checkpoint's blob, a bfloat16 one's bfloat16 where held so
+    expert_bytes = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
+                                 as_stored(dtype, resolve_device(device))).nbytes
     num_experts_total = len(c.moe_layer_ids) * c.num_experts
     max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
     kv_per_token = c.kv_elements_per_token * elem
@@ -87,7 +88,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "expert_format": c.expert_quant.describe() if c.expert_quant else _float_experts(ckpt, compute_dtype, stored),
         "expert_bytes": expert_bytes,
         "expert_bytes_total": expert_bytes * num_experts_total,
-        "non_expert_bytes": non_expert_params * elem,
+        "non_expert_bytes": _non_expert_bytes(ckpt, elem, stored),
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
@@ -111,12 +112,14 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     if device_memory is not None:
         kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
         share = expert_share(device_memory)
+        # a pool slot, as the engine holds an expert (a bfloat16 checkpoint's in bfloat16 where held as stored)
+        slot = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
+                             as_stored(dtype, resolve_device(device))).slot_bytes
         if share is None:
             budget = parse_size(device_memory, "--device-memory")
-        else:
-            budget = int(info["non_expert_bytes"] + kv + share * info["expert_bytes_total"])
+        else:  # as the engine takes a share: of the experts as the pool holds them
+            budget = int(info["non_expert_bytes"] + kv + share * slot * num_experts_total)
         free = budget - info["non_expert_bytes"] - kv
-        slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes  # a pool slot: about one expert
         fit = max(0, int(free // slot))
         per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
         info["device_memory"] = budget
@@ -147,6 +150,27 @@ def _encodings(ckpt, kernels_here: bool, stored: bool) -> dict:
     return {}
 
 
+def _held(t, kind: str, stored: bool) -> tuple[bool, int]:
+    """(whether the engine keeps a GGUF tensor in its encoding, the bytes it then holds)."""
+    kept = (stored and len(t.shape) >= 2 and blockdot.computes(t.type_name) and kind in AS_STORED
+            and not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")))  # MLA's kv_b
+    per_call = kind == "experts" and not kept
+    return kept, t.nbytes if kept or per_call or t.type_name == "F32" else math.prod(t.shape) * 4
+
+
+def _non_expert_bytes(ckpt, elem: int, stored: bool) -> int:
+    """What the engine holds of the weights that are not routed experts: a GGUF file's kept
+    in their encodings (gguf_compute), a bfloat16 checkpoint's matrices in bfloat16 where held
+    as stored (its routers and norms in float32), else everything in the compute dtype."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return sum(_held(t, tensor_kind(t.name), stored)[1] for t in ckpt.file.tensors.values()
+                   if not tensor_kind(t.name).startswith("experts"))
+    routers = {ckpt.find(ckpt.candidates("router", layer)) for layer in ckpt.config.moe_layer_ids}
+    names = [n for n in ckpt.text_names() if not ckpt.is_routed_expert(n)]
+    return sum(math.prod(ckpt.shape(n)) * (2 if stored and len(ckpt.shape(n)) >= 2 and n not in routers else elem)
+               for n in names)
+
+
 def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
     """Per kind of tensor in a GGUF file: how the engine computes it (its encoding kept and
     multiplied by the block kernels, or dequantized) and the bytes it then holds."""
@@ -155,10 +179,8 @@ def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
         kind = tensor_kind(t.name)
         if kind.startswith("experts "):
             kind = "experts"
-        kept = (stored and len(t.shape) >= 2 and blockdot.computes(t.type_name) and kind in AS_STORED
-                and not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight", "attn_kv_b.weight")))  # MLA's kv_b
+        kept, held = _held(t, kind, stored)
         per_call = kind == "experts" and not kept  # the tiers keep them as stored either way
-        held = t.nbytes if kept or per_call or t.type_name == "F32" else math.prod(t.shape) * 4
         way = "as stored" if kept else "dequantized per call" if per_call else "in float32"
         entry = kinds.setdefault(kind, {}).setdefault(f"{t.type_name} {way}", [0, 0])
         entry[0], entry[1] = entry[0] + 1, entry[1] + held
