@@ -100,7 +100,8 @@ class TransformersRunner(Runner):
     kind = "anchor"
     label = "transformers"
 
-    def __init__(self, model_dir, prompts: list[list[int]], batch_size: int, max_tokens: int, device, dtype):
+    def __init__(self, model_dir, prompts: list[list[int]], batch_size: int, max_tokens: int, device, dtype,
+                 threads: int):
         import transformers
 
         transformers.logging.set_verbosity_error()
@@ -119,8 +120,9 @@ class TransformersRunner(Runner):
             setattr(gen, name, None)
         self.gen = gen
         impl = getattr(self.model.config, "_experts_implementation", None)
+        self.threads = threads  # torch's pool on the CPU, set at each run (an engine may have set it to 1)
         self.fields = {"version": transformers.__version__, "dtype": str(dtype).removeprefix("torch."),
-                       "experts_implementation": impl}
+                       "experts_implementation": impl, "threads": threads if device.type == "cpu" else None}
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -130,6 +132,8 @@ class TransformersRunner(Runner):
         from transformers import LogitsProcessorList
 
         torch = self.torch
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
         outputs, ttfts, decode_s = [], [], 0.0
         pad = self.gen.pad_token_id
         start = time.perf_counter()

@@ -42,8 +42,10 @@ class PolicyRunner(Runner):
         self.llm = LLM(model=model_dir, **options)
 
     def run(self) -> tuple[dict, list[list[int]]]:
+        self.llm.engine.use_threads()  # runners interleave: the one built last set torch's pool
         outs = self.llm.generate(self.prompts, self.params)
         stats = dict(self.llm.last_stats)
+        stats["threads"] = self.llm.engine.threads
         stats["device_memory"] = self.options.get("device_memory")
         stats["max_model_len"] = self.llm.engine.max_model_len
         return stats, [o.token_ids for o in outs]

@@ -114,10 +114,11 @@ class Suite:
         dtype = resolve_dtype(s.dtype, open_checkpoint(Path(s.model_dir)), device)
 
         def build():
-            if name == "llama.cpp":  # as many threads as the engines compute with
+            if name == "llama.cpp":  # every anchor on as many threads as the engines compute with
                 return anchor_mod.LlamaCppRunner(s.model_dir, prompts, batch, s.max_tokens, s.threads or usable_cores(),
                                                  cache_dir())
-            return anchor_mod.TransformersRunner(s.model_dir, prompts, batch, s.max_tokens, device, dtype)
+            return anchor_mod.TransformersRunner(s.model_dir, prompts, batch, s.max_tokens, device, dtype,
+                                                 s.threads or usable_cores())
         return Builder(name, "anchor", build)
 
     def _fit_together(self, needs: dict[str, int], where: str) -> bool:

@@ -115,14 +115,14 @@ class Engine:
         options.check_model(self.config)
         self.device = resolve_device(options.device)
         self.as_stored = blockdot.computes_as_stored(options.dtype, self.config, self.device)
+        self.threads = None  # on a GPU: torch's setting is left alone
         if self.device.type == "cpu":
             # every core this process may use, as llama.cpp runs by default (kernels/cpu.py). A GGUF
             # model's matrices all go through the block kernels' threads; torch's own pool would only
             # spin beside them after each small operator (its OpenMP threads wait busily): the
             # real-size Q4_K model decoded 119 tok/s at B = 16 with torch on one thread, 86 on two.
-            threads = options.threads or usable_cores()
-            torch.set_num_threads(1 if self.as_stored else threads)
-            blockdot.set_threads(threads)
+            self.threads = options.threads or usable_cores()
+            self.use_threads()
         self.dtype = resolve_dtype(options.dtype, self.checkpoint, self.device)
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.max_model_len = min(
@@ -175,6 +175,14 @@ class Engine:
         self.decoder = SpeculativeDecoder(self, options.gamma, tune=tune_gamma) \
             if self.policy.speculative else None
         release_free_memory()  # what building the weights, copies and tier freed, back to the system
+
+    def use_threads(self) -> None:
+        """Compute on this engine's threads again (torch's pool and the block kernels' are per
+        process: another engine or library built since may have set them otherwise)."""
+        if self.threads is None:
+            return
+        torch.set_num_threads(1 if self.as_stored else self.threads)
+        blockdot.set_threads(self.threads)
 
     @property
     def gamma(self) -> int | None:
