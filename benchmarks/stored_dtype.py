@@ -18,22 +18,22 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 from specmoe import LLM, SamplingParams
+from specmoe.bench.machine import threads_label
 from specmoe.experts import formats
+from specmoe.kernels.cpu import usable_cores
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "heldout.jsonl"
 
 
-def engine(policy: str, batch: int, widened: bool, budget: str, offload: str) -> LLM:
+def engine(policy: str, batch: int, widened: bool, budget: str, offload: str, threads: int) -> LLM:
     """An engine whose tier stores bf16 experts (the default) or float32 copies of them."""
     keep = formats.stored_dtype
     if widened:
         formats.stored_dtype = lambda checkpoint_dtype, compute: compute
     try:
         return LLM(policy=policy, offload=offload, device_memory=budget, max_batch_size=batch, max_model_len=512,
-                   threads=1)
+                   threads=threads)
     finally:
         formats.stored_dtype = keep
 
@@ -46,12 +46,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds after one warm-up")
     ap.add_argument("--device-memory", default="30%")
     ap.add_argument("--offload", default="disk", choices=("disk", "host"))
+    ap.add_argument("--threads", type=int, default=usable_cores(), help="compute threads (default: the usable cores)")
     ap.add_argument("--json", metavar="FILE", required=True)
     args = ap.parse_args()
     B = args.batch_size
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][: 2 * B]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    engines = {(p, stored): engine(p, B, stored == "float32", args.device_memory, args.offload)
+    engines = {(p, stored): engine(p, B, stored == "float32", args.device_memory, args.offload, args.threads)
                for p in args.policies.split(",") for stored in ("bfloat16", "float32")}
     speeds = {key: [] for key in engines}
     moved = {}
@@ -60,13 +61,15 @@ def main() -> None:
         batch = prompts[:B] if r % 2 == 0 else prompts[B:]
         seen = {}
         for (policy, stored), llm in engines.items():
+            llm.engine.use_threads()  # the engine built last set torch's pool for every one
             out = [o.token_ids for o in llm.generate(batch, params)]
             tokens_equal &= seen.setdefault(policy, out) == out
             stats = llm.last_stats
             if r:  # round 0 warms up
                 speeds[policy, stored].append(stats["decode_tokens_per_s"])
                 moved[policy, stored] = stats["transfer_bytes"] / (B * args.max_tokens) / 1e6
-            print(f"round {r}: {policy} stored {stored}: {stats['decode_tokens_per_s']:.1f} tok/s", flush=True)
+            print(f"round {r}: {policy} stored {stored}, {threads_label(args.threads)}: "
+                  f"{stats['decode_tokens_per_s']:.1f} tok/s", flush=True)
     rows = []
     for policy in args.policies.split(","):
         narrow, wide = speeds[policy, "bfloat16"], speeds[policy, "float32"]
@@ -80,10 +83,10 @@ def main() -> None:
     for llm in engines.values():
         llm.close()
     Path(args.json).write_text(json.dumps({"kind": "stored-dtype", "offload": args.offload, "batch_size": B,
+                                           "threads": args.threads,
                                            "rounds": args.rounds,
                                            "tokens_equal": tokens_equal, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
     main()

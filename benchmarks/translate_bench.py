@@ -74,6 +74,8 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    from specmoe.kernels.cpu import usable_cores
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=MODEL)
     p.add_argument("--sources", default=str(ROOT / "prompts" / "translate_heldout.jsonl"))
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--ablation-batch-size", type=int, default=16)
     p.add_argument("--ablation-n", default="2,4,8")
     p.add_argument("--tiers", default="disk,capped")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=usable_cores(), help="compute threads (default: the usable cores)")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
 
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     common = dict(device="cpu", device_memory="30%", threads=args.threads, max_model_len=128)
     doc = {"model": args.model, "max_tokens": args.max_tokens, "gamma": args.gamma, "sweep_s": args.sweep_s,
-           "tiers": {}, "ablation": {}}
+           "threads": args.threads, "tiers": {}, "ablation": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for tier in args.tiers.split(","):
             doc["tiers"][tier] = {}

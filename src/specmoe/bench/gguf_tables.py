@@ -39,7 +39,7 @@ def same_file(doc: dict) -> str:
     head = ["file (llama.cpp's quantizer)", "size", "B", "threads", "specmoe tok/s", "llama.cpp tok/s",
             "specmoe ÷ llama.cpp", f"range over {'/'.join(map(str, sorted(rounds)))} rounds", ">= 1.0 in every round",
             "tokens equal"]
-    return f"Machine: {describe(doc['machine'])}.\n\n" + md_table(head, rows) + _memory(doc["records"])
+    return f"Machine: {describe(doc['machine'], 'threads as in each row')}.\n\n" + md_table(head, rows) + _memory(doc["records"])
 
 
 def _memory(records: list[dict]) -> str:

@@ -45,7 +45,20 @@ def machine_info(device: str | None = None) -> dict:
     return info
 
 
-def describe(machine: dict) -> str:
+def threads_label(threads) -> str:
+    """What a run computed on: a run on one thread says so (benchmarks default to every usable
+    core, as users run them); text (a table's own column) is kept as it is."""
+    if isinstance(threads, str):
+        return threads
+    return "one thread (--threads 1)" if threads == 1 else f"{threads} threads"
+
+
+def describe(machine: dict, threads: int | str | None = None) -> str:
+    """The machine line of a section. `threads`: what the run's engines and anchors computed
+    on (the document's --threads); where neither it nor the machine's compute_threads is
+    recorded (older documents), torch's thread count as it was read."""
     gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
-    return (f"{machine['cpu']} ({machine['cores']} cores, torch threads: {machine.get('torch_threads', '?')}){gpu}; torch {machine['torch']}, "
+    threads = machine.get("compute_threads", threads)
+    how = threads_label(threads) if threads else f"torch threads: {machine.get('torch_threads', '?')}"
+    return (f"{machine['cpu']} ({machine['cores']} cores, {how}){gpu}; torch {machine['torch']}, "
             f"Python {machine['python']}; {machine['platform']}; {machine['date']}")

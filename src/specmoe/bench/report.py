@@ -228,7 +228,7 @@ def config_lines(doc: dict) -> list[str]:
     apart = any("one at a time" in n for n in doc.get("notes", []))  # grid.measure(together=False): see the notes
     order = "interleaved" + (" where the runners fit side by side" if apart else "")
     return [
-        f"machine: {describe(doc['machine'])}",
+        f"machine: {describe(doc['machine'], c.get('threads'))}",
         f"model: {m['path']} ({m['family']}, {m['moe_layers']} MoE layers x {m['experts_per_block']} experts, top-{m['top_k']}, "
         f"{m['dtype']}; non-expert {m['non_expert_bytes'] / 2**20:.1f} MiB, experts {m['expert_bytes_total'] / 2**20:.1f} MiB)",
         f"prompts: {c['prompts_file']} (first {c.get('prompt_batches', 2)} x B of {c['num_prompts_in_file']}"

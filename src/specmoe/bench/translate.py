@@ -5,6 +5,7 @@ beside ours. Every figure of ours is read from the document."""
 
 from __future__ import annotations
 
+from .machine import threads_label
 from .report import md_table
 
 # The paper's NLLB-MoE measurements (H100, PCIe 5, B = 256, γ = 10, N = 4): data, for comparison.
@@ -62,10 +63,12 @@ def paper_table(doc: dict) -> str:
 
 def translate(doc: dict) -> str:
     out = []
+    # a document without "threads" ran before the script defaulted to the machine's cores: on one
+    threads = threads_label(doc.get("threads", 1))
     for tier, runs in doc["tiers"].items():
         label = {"disk": "real disk tier", "capped": f"disk tier capped to a {doc['sweep_s']:g} s sweep"}.get(tier, tier)
         out += [f"{label.capitalize()} (γ = {doc['gamma']}, the paper's draft, N = 4; "
-                f"{doc['max_tokens']} tokens):", "", tier_table(runs)]
+                f"{doc['max_tokens']} tokens; {threads}):", "", tier_table(runs)]
     ab = doc["ablation"]
     out += [f"Draft experts per decoder block (paper's draft, γ = {doc['gamma']}, capped tier, "
             f"B = {ab['batch_size']}):", "", ablation_table(ab), "The paper's figures beside ours:", "",
