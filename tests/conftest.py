@@ -47,7 +47,15 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
         import torch
 
+        from specmoe.kernels import cpu
+
         torch.set_num_threads(1)
+        # An engine computes on every usable core by default (kernels/cpu.py): in each of two
+        # workers that made two torch threads and two block-kernel threads, four on two cores,
+        # spinning while they wait for one another. A worker counts as a process given one
+        # CPU's quota, so engines built here take one thread (tests that need more say so);
+        # the processes tests start (servers, replicas, `specmoe` runs) still see every core.
+        cpu._cgroup_quota = lambda: 1
 
 
 @pytest.fixture(scope="session")
