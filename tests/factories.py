@@ -673,6 +673,11 @@ def install_fixed_profile(cache_dir) -> None:
     verdicts = SESSION_CACHE / KERNELS_STATE if SESSION_CACHE is not None else None
     if verdicts is not None and verdicts.is_file() and Path(cache_dir) != SESSION_CACHE:
         shutil.copy(verdicts, Path(cache_dir) / KERNELS_STATE)
+    # and the block kernels' build with its self-check's verdict (a compile and a child process,
+    # 2-3 s, in each process that starts from a fresh cache dir)
+    built = SESSION_CACHE / "kernels" if SESSION_CACHE is not None else None
+    if built is not None and built.is_dir() and Path(cache_dir) != SESSION_CACHE:
+        shutil.copytree(built, Path(cache_dir) / "kernels", dirs_exist_ok=True)
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:

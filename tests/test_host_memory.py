@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from factories import install_fixed_profile
 from memory_peak import Measured, run_module
 
 from specmoe.base.memory import host_bound
@@ -74,6 +75,7 @@ def runs(wide_model, tmp_path_factory):
         pytest.fail("these tests read /proc/PID/status (Linux)")
     cache = tmp_path_factory.mktemp("cache") / "cache"
     cache.mkdir()
+    install_fixed_profile(cache)  # the planner's rates: no calibration of this machine in the first run
     measured = {"specmoe, first run": generate_measured(wide_model, cache, "specmoe")}  # builds what the rest read
     for run in ("first run", "cached"):  # the int4 file built, then read
         measured[f"specmoe, int4 copies, {run}"] = generate_measured(wide_model, cache, "specmoe", *INT4_COPIES)
