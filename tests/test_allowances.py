@@ -6,9 +6,15 @@ is computed for."""
 
 from contextlib import contextmanager
 
-import pytest
 import torch
-from factories import CUDA_PEAK, cuda_activation_allowance, pass_tokens, random_prompts, to_compressed_tensors
+from factories import (
+    CUDA_PEAK,
+    cuda_activation_allowance,
+    pass_tokens,
+    random_prompts,
+    require_compressed_tensors,
+    to_compressed_tensors,
+)
 
 from specmoe import LLM, SamplingParams
 
@@ -70,7 +76,7 @@ def test_one_pass_of_activations_is_less_than_one_float32_expert(tiny_ckpt, tmp_
 
 
 def test_one_pass_of_activations_is_less_than_the_int4_models_scratch(tiny_ckpt, tmp_path):
-    pytest.importorskip("compressed_tensors")
+    require_compressed_tensors()  # a listed skip on Python 3.10 only
     s = CUDA_PEAK
     prompts = _prompts()
     path = to_compressed_tensors(tiny_ckpt("mixtral", intermediate_size=s["intermediate_size"]), tmp_path / "q",

@@ -218,8 +218,13 @@ def test_the_cli_prints_a_bad_family_config_as_one_line(tiny_ckpt, tmp_path, cap
 def test_gpt_oss_released_mxfp4_experts_load_as_transformers_dequantizes_them(tiny_ckpt, tmp_path):
     """The released GPT-OSS checkpoints hold experts in MXFP4; they load (dequantized) to
     transformers' logits."""
+    import transformers
     from factories import to_mxfp4
 
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 21):
+        # its integration dequantizes MXFP4 experts to bfloat16 whatever the model's dtype (5.21
+        # on: to the model's), 1e-2 from the float32 values we load; 5.20 is the last for Python 3.10
+        pytest.skip(f"transformers {transformers.__version__} < 5.21 dequantizes MXFP4 experts to bfloat16")
     path = tmp_path / "mxfp4"
     shutil.copytree(tiny_ckpt("gpt_oss", "fused", intermediate_size=32), path)
     to_mxfp4(path)
