@@ -98,10 +98,13 @@ def _model_inputs(runtime):
     # weights in the compute dtype, experts as the tiers keep them; quantized experts keep their blobs' size (shape_of)
     shape = as_run(shape_of(runtime.config, runtime.checkpoint.dir.name), runtime.dtype.itemsize,
                    runtime.expert_format.storage_dtype.itemsize)
+    slot = runtime.expert_format.slot_dtype.itemsize
+    if not shape.expert_bytes_per_param and slot < runtime.dtype.itemsize:  # a bf16 checkpoint's experts as stored
+        shape = replace(shape, expert_bytes_per_param=float(slot))
     memory = runtime.budget.available() if runtime.budget.limit is not None else None
     # mean cached positions: half the length reserved per sequence (sequences grow into
     # it); the KV the model then counts stays inside what the engine reserved
-    kwargs = dict(device_memory=_plan_memory(runtime, memory), context_len=max(1, runtime.max_model_len // 2),
+    kwargs = dict(device_memory=_plan_memory(runtime, memory, shape), context_len=max(1, runtime.max_model_len // 2),
                   cache_fraction=opts.cache_fraction, cache_lru_slots=_lru_slots(runtime, memory),
                   **_draft_knowledge(runtime))
     return shape, kwargs
@@ -271,11 +274,15 @@ def _quantized_draft(runtime) -> str | None:
     return None
 
 
-def _plan_memory(runtime, available):
-    """The planner budgets whole-model bytes: give it what the engine's ledger would allow."""
+def _plan_memory(runtime, available, shape):
+    """The planner budgets whole-model bytes: give it what the engine's ledger would allow,
+    the non-expert weights counted as the planner counts them (in the compute dtype; the
+    engine may hold a bfloat16 checkpoint's as stored, in half that), so that the room it
+    leaves the experts is the engine's."""
     if available is None:
         return None
-    return int(available + runtime.budget.used)
+    held = runtime.budget.by_item.get("non-expert weights", 0)
+    return int(available + runtime.budget.used - held + shape.non_expert_bytes)
 
 
 def _lru_slots(runtime, available) -> int:
