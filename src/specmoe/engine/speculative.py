@@ -25,17 +25,22 @@ class SpeculativeDecoder:
     def __init__(self, engine, gamma: int, tune: bool = False):
         self.engine = engine
         self.gamma = gamma
+        self.first_gamma = gamma
         self.tuner = GammaTuner(gamma) if tune else None
 
-    def draft_lengths(self, seqs) -> list[int]:
+    def draft_lengths(self, seqs, gamma: int) -> list[int]:
         """gamma, or fewer near max_tokens or the end of the context (never wasted)."""
         limit = self.engine.max_model_len
-        return [max(0, min(self.gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
+        return [max(0, min(gamma, s.remaining - 1, limit - s.total_len)) for s in seqs]
 
     def step(self, seqs) -> int:
         engine, cache, counters = self.engine, self.engine.cache, self.engine.counters
         starts = [cache.lengths[s.slot] for s in seqs]
-        lengths = self.draft_lengths(seqs)
+        # a seeded sampled sequence's tokens depend on its drafts' lengths, and an adapted gamma
+        # on timing: while one runs, every step drafts the configured gamma, so that its seed
+        # gives the same tokens in any run and on any engine
+        seeded = self.tuner is not None and any(s.params.seed is not None and not s.params.greedy for s in seqs)
+        lengths = self.draft_lengths(seqs, self.first_gamma if seeded else self.gamma)
 
         t0 = time.perf_counter()
         drafts, draft_probs = self._draft(seqs, lengths)
@@ -73,9 +78,6 @@ class SpeculativeDecoder:
         t2 = time.perf_counter()
         counters.draft_s += t1 - t0
         counters.verify_s += t2 - t1
-        # a seeded sampled sequence's tokens depend on its drafts' lengths, and an adapted gamma
-        # on timing: while one runs, gamma stays where it is, so that its seed reproduces it
-        seeded = any(s.params.seed is not None and not s.params.greedy for s in seqs)
         if self.tuner and not seeded:  # a step cut short near max_tokens counts at the length it drafted
             drafted = tuple(zip((len(d) for d in drafts), accepted_lengths))
             self.gamma = self.tuner.update(StepMeasure(max(lengths, default=0), drafted, t1 - t0, t2 - t1))
