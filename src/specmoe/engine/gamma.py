@@ -17,6 +17,7 @@ tested without a model.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ..base.config import MAX_GAMMA
@@ -43,6 +44,7 @@ class AcceptanceDepth:
         self.memory = memory
         self.drafted = [0.0] * (MAX_GAMMA + 1)  # index j: sequences that drafted j or more
         self.reached = [0.0] * (MAX_GAMMA + 1)  # ... and had their first j accepted
+        self._tokens: list[float] | None = None  # expected tokens at each gamma, made once per record
 
     def record(self, drafts) -> None:
         self.drafted = [self.memory * n for n in self.drafted]
@@ -51,6 +53,7 @@ class AcceptanceDepth:
             for j in range(1, min(drafted, MAX_GAMMA) + 1):
                 self.drafted[j] += 1
                 self.reached[j] += accepted >= j
+        self._tokens = None
 
     @property
     def measured_to(self) -> int:
@@ -59,18 +62,23 @@ class AcceptanceDepth:
         return max((j for j in range(1, MAX_GAMMA + 1) if self.drafted[j] >= 1.0), default=0)
 
     def share(self, j: int) -> float:
-        """The share of sequences whose first j drafts are accepted."""
-        deepest = self.measured_to
-        if deepest == 0:
-            return 0.5 ** j  # nothing drafted yet: a coin per token
-        if j <= deepest:
-            return (self.reached[j] + 1e-3) / (self.drafted[j] + 2e-3)
-        last = self.share(deepest)
-        step = last / self.share(deepest - 1) if deepest > 1 else last
-        return last * min(step, 1.0) ** (j - deepest)
+        """The share of sequences whose first j drafts (1 <= j <= MAX_GAMMA) are accepted."""
+        return self.expected_tokens(j) - self.expected_tokens(j - 1)
 
     def expected_tokens(self, gamma: int) -> float:
-        return 1 + sum(self.share(j) for j in range(1, gamma + 1))
+        if self._tokens is None:  # the tuner asks at every gamma every step: the curve is summed once
+            self._tokens = list(itertools.accumulate(self._shares(), initial=1.0))
+        return self._tokens[gamma]
+
+    def _shares(self) -> list[float]:
+        """share(j) for j = 1..MAX_GAMMA."""
+        deepest = self.measured_to
+        if deepest == 0:
+            return [0.5 ** j for j in range(1, MAX_GAMMA + 1)]  # nothing drafted yet: a coin per token
+        measured = [(self.reached[j] + 1e-3) / (self.drafted[j] + 2e-3) for j in range(1, deepest + 1)]
+        last = measured[-1]
+        step = min(last / measured[-2] if deepest > 1 else last, 1.0)
+        return measured + [last * step ** (j - deepest) for j in range(deepest + 1, MAX_GAMMA + 1)]
 
 
 class GammaTuner:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base.gguf_quants import dequantize as dequantize_blocks
 from ..base.gguf_quants import row_bytes
 from ..kernels import blockdot
+from ..kernels.packed import PackedMatrix
 from ..model.layers import as_dtype
 from .kernels import aligned, aligned_stack, int4_mm, int4_pack, int8_mm, stack_bytes
 from .packing import unpack
@@ -145,13 +145,15 @@ class BlockMatrix:
     def select(self, index) -> BlockMatrix:
         return BlockMatrix(self.raw[index].contiguous(), self.type_name, self.out_features, self.in_features)
 
+    def _rows(self) -> PackedMatrix:
+        """One matrix's rows as the model's own GGUF matrices hold them."""
+        return PackedMatrix.of(self.raw, self.type_name, self.out_features, self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_blocks(self.raw, self.type_name, self.out_features, self.in_features, dtype)
+        return self._rows().dequantize(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        y = blockdot.matmul_q(blockdot.quantize(flat, self.type_name), self.raw, self.type_name, self.out_features)
-        return as_dtype(y.reshape(*x.shape[:-1], self.out_features), x.dtype)
+        return as_dtype(self._rows().linear(x), x.dtype)
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         return 0

@@ -150,6 +150,11 @@ def kernel_shape(bits: int, out_features: int, in_features: int) -> Shape | None
     return None
 
 
+def _block_type(bits: int, in_features: int, device) -> str | None:
+    """copy_layouts.block_type for a matrix of this format (its groups: group_size)."""
+    return block_type(bits, in_features, group_size(in_features, bits), device)
+
+
 def device_layout(q: QuantizedMatrix, device, choices: dict[Shape, KernelChoice] | None = None,
                   blocks: bool = False) -> QuantizedMatrix | BlockMatrix | Int4KernelMatrix | Int8KernelMatrix:
     """The matrix as the draft will hold it on `device`: ggml blocks first where the engine
@@ -266,7 +271,7 @@ def draft_kernel_choices(spec: ExpertSpec, mode: str, device, blocks: bool = Fal
     (no verdict for the matrices the block kernels take first: `blocks`, device_layout)."""
     bits = BITS[mode]
     shapes = [kernel_shape(bits, out, in_features) for out, in_features in expert_matrices(spec)
-              if not (blocks and block_type(bits, in_features, group_size(in_features, bits), device))]
+              if not (blocks and _block_type(bits, in_features, device))]
     return choose([s for s in shapes if s is not None], device)
 
 
@@ -276,7 +281,7 @@ def kernel_notes(matrices, choices: dict[Shape, KernelChoice], device, blocks: b
     notes = {}
     for bits, out, in_features in matrices:
         shape = kernel_shape(bits, out, in_features)
-        kind = block_type(bits, in_features, group_size(in_features, bits), device)
+        kind = _block_type(bits, in_features, device)
         choice = choices.get(shape)
         key = shape.key if shape is not None else f"int{bits} N={out} K={in_features}"
         if kind is not None and blocks:
@@ -304,7 +309,7 @@ def draft_copy_bytes(spec: ExpertSpec, mode: str, device=None, dtype=torch.float
     for out, in_features in expert_matrices(spec):
         shape, groups = kernel_shape(bits, out, in_features), in_features // group_size(in_features, bits)
         fused = shape in choices and choices[shape].fused
-        block = device is not None and block_type(bits, in_features, group_size(in_features, bits), device)
+        block = device is not None and _block_type(bits, in_features, device)
         if blocks and block:
             copy += block_bytes(bits, out, in_features)
         elif fused and bits == 4:
@@ -352,7 +357,7 @@ class QuantizedExperts:
         shapes a fused kernel may take)."""
         matrices = {(m.bits, m.out_features, m.in_features) for q in self.layers.values() for m in (q.gate_up, q.down)}
         shapes = {kernel_shape(*m) for m in matrices
-                  if not (blocks and block_type(m[0], m[2], group_size(m[2], m[0]), device))} - {None}
+                  if not (blocks and _block_type(m[0], m[2], device))} - {None}
         choices = choose(sorted(shapes, key=lambda s: s.key), device)
         layers = {l: q.to(device, choices, blocks) for l, q in self.layers.items()}
         moved = QuantizedExperts(self.mode, layers, self.spec)
