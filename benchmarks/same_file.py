@@ -34,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q8_0": 7, "BF16": 32, "Q4_0": 2}
 
 
-def quantized_file(model_dir: Path, workdir: Path, type_name: str) -> Path:
-    """The model as `type_name`, written by llama.cpp's quantizer from its float32 GGUF (both cached)."""
+def quantized_file(model_dir: Path, workdir: Path, type_name: str, source: str = "f32", keep_source: bool = True) -> Path:
+    """The model as `type_name`, written by llama.cpp's quantizer from its GGUF copy in
+    `source` encoding (f32, or bf16: half the disk for a bfloat16 checkpoint, the same
+    weights), both cached unless `keep_source` is False (a model of tens of GB)."""
     import llama_cpp
 
     from specmoe.base.checkpoint import Checkpoint
@@ -44,14 +46,16 @@ def quantized_file(model_dir: Path, workdir: Path, type_name: str) -> Path:
     out = workdir / f"{model_dir.name}-{type_name}.gguf"
     if out.is_file():
         return out
-    f32 = cached_gguf(Checkpoint(model_dir), workdir)
+    whole = cached_gguf(Checkpoint(model_dir), workdir, source)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[type_name]
     params.nthread = os.cpu_count() or 1
     tmp = out.with_suffix(".tmp")
-    if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), params) != 0:
-        raise SystemExit(f"llama.cpp could not quantize {f32} to {type_name}")
+    if llama_cpp.llama_model_quantize(str(whole).encode(), str(tmp).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {whole} to {type_name}")
     tmp.rename(out)
+    if not keep_source:
+        whole.unlink()
     return out
 
 

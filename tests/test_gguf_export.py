@@ -47,6 +47,30 @@ def test_the_gguf_copy_holds_every_tensor_where_llama_cpp_reads_it(tiny_mixtral,
     assert len(fields["tokenizer.ggml.tokens"].data) == c.vocab_size
 
 
+def test_the_bf16_copy_holds_the_same_weights_in_half_the_bytes(tiny_mixtral, tmp_path):
+    """Matrices in bfloat16 (the float32 copy's rounded: a bfloat16 checkpoint's exactly), norms
+    in float32, as llama.cpp's converter writes a BF16 file."""
+    f32, bf16 = (write_gguf(tiny_mixtral, tmp_path / f"{e}.gguf", e) or gguf.GGUFReader(str(tmp_path / f"{e}.gguf"))
+                 for e in ("f32", "bf16"))
+    wide = {t.name: t for t in f32.tensors}
+    types = set()
+    for t in bf16.tensors:
+        types.add((len(t.shape) >= 2 and t.shape[1] > 1, t.tensor_type.name))
+        want = torch.from_numpy(wide[t.name].data.copy())
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            got = torch.from_numpy(t.data.copy()).view(torch.bfloat16).float().reshape(want.shape)
+            want = want.to(torch.bfloat16).float()
+        else:
+            got = torch.from_numpy(t.data.copy())
+        assert torch.equal(got, want), t.name
+    assert {name for _, name in types} == {"BF16", "F32"}
+
+
+def test_an_unknown_export_encoding_is_a_clear_error(tiny_mixtral, tmp_path):
+    with pytest.raises(SpecMoEError, match="encoding 'q4' is not one of: f32, bf16"):
+        write_gguf(tiny_mixtral, tmp_path / "m.gguf", "q4")
+
+
 @pytest.mark.parametrize("heads", [1, 3])
 def test_permuted_rope_rows_keep_every_q_dot_k(heads):
     """llama.cpp rotates pairs (2i, 2i + 1); the checkpoint's rows are laid out for pairs

@@ -4,7 +4,10 @@ the `gguf` package (pip install 'specmoe[anchors]').
 Mixtral family only: llama.cpp runs it as its `llama` architecture with experts
 (softmax router, top-k weights renormalised, SwiGLU experts), which is what Mixtral
 computes. Every tensor is written in float32, the dtype specmoe computes in on the CPU,
-so the anchor is compared at the same precision. Two layout differences from the
+so the anchor is compared at the same precision (or, with `encoding="bf16"`, every matrix
+in bfloat16: half the bytes, exactly a bfloat16 checkpoint's weights, what llama.cpp's
+quantizer reads as well as float32). Tensors are made and written one at a time, so a
+checkpoint bigger than memory exports in bounded memory. Two layout differences from the
 checkpoint, as llama.cpp's own converter makes them:
 - q and k rows are permuted per head from the rotate-half RoPE layout to the
   interleaved pairs llama.cpp rotates (q.k, and so the model, is unchanged);
@@ -46,37 +49,63 @@ def rope_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_path(ckpt: Checkpoint, cache_dir: Path) -> Path:
-    return Path(cache_dir) / f"gguf-v{FORMAT_VERSION}-f32-{ckpt.fingerprint()}.gguf"
+ENCODINGS = ("f32", "bf16")
 
 
-def cached_gguf(ckpt: Checkpoint, cache_dir: Path) -> Path:
+def gguf_path(ckpt: Checkpoint, cache_dir: Path, encoding: str = "f32") -> Path:
+    return Path(cache_dir) / f"gguf-v{FORMAT_VERSION}-{encoding}-{ckpt.fingerprint()}.gguf"
+
+
+def cached_gguf(ckpt: Checkpoint, cache_dir: Path, encoding: str = "f32") -> Path:
     """The checkpoint's GGUF copy in `cache_dir`, written once."""
-    path = gguf_path(ckpt, cache_dir)
+    path = gguf_path(ckpt, cache_dir, encoding)
     if not path.is_file():
         check_supported(ckpt)
         path.parent.mkdir(parents=True, exist_ok=True)
-        publish(path, lambda tmp: write_gguf(ckpt, Path(tmp)))
+        publish(path, lambda tmp: write_gguf(ckpt, Path(tmp), encoding))
     return path
 
 
-def write_gguf(ckpt: Checkpoint, path: Path) -> None:
+def write_gguf(ckpt: Checkpoint, path: Path, encoding: str = "f32") -> None:
     import gguf
 
+    if encoding not in ENCODINGS:
+        raise SpecMoEError(f"GGUF export encoding {encoding!r} is not one of: {', '.join(ENCODINGS)}")
     check_supported(ckpt)
     c = ckpt.config
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_header(writer, c)
+    _write_header(writer, c, encoding)
     _write_tokenizer(writer, ckpt)
-    for name, tensor in _tensors(ckpt):
-        writer.add_tensor(name, np.ascontiguousarray(tensor.numpy(), dtype=np.float32))
+    for name, shape, make in _tensors(ckpt):
+        bf16 = encoding == "bf16" and len(shape) >= 2  # norms stay float32, as llama.cpp's converter keeps them
+        raw = gguf.GGMLQuantizationType.BF16 if bf16 else None
+        # the writer takes anything with shape, dtype, nbytes and tofile: each tensor is made as it is written
+        writer.add_tensor(name, _Deferred(shape, make, bf16), raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def _write_header(writer, c) -> None:
+class _Deferred:
+    """A tensor the GGUF writer sees by its shape and size and gets only when it writes it:
+    float32 values, or bfloat16 ones as bytes (the writer's way for raw types)."""
+
+    def __init__(self, shape: tuple[int, ...], make, bf16: bool):
+        self.make, self.bf16 = make, bf16
+        self.dtype = np.dtype(np.uint8 if bf16 else np.float32)
+        self.shape = (*shape[:-1], shape[-1] * 2) if bf16 else tuple(shape)
+        self.nbytes = int(np.prod(shape)) * (2 if bf16 else 4)
+
+    def tofile(self, fout) -> None:
+        t = self.make()
+        data = t.to(torch.bfloat16).contiguous().view(torch.uint8) if self.bf16 else t.to(torch.float32).contiguous()
+        data = data.numpy()
+        assert data.nbytes == self.nbytes, (data.shape, self.shape)
+        data.tofile(fout)
+
+
+def _write_header(writer, c, encoding: str) -> None:
     import gguf
 
     a = c.attention
@@ -95,7 +124,7 @@ def _write_header(writer, c) -> None:
     writer.add_expert_count(c.num_experts)
     writer.add_expert_used_count(c.router.top_k)
     writer.add_vocab_size(c.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if encoding == "bf16" else gguf.LlamaFileType.ALL_F32)
 
 
 def _write_tokenizer(writer, ckpt: Checkpoint) -> None:
@@ -128,29 +157,40 @@ def _write_tokenizer(writer, ckpt: Checkpoint) -> None:
 
 
 def _tensors(ckpt: Checkpoint):
-    """(GGUF name, float32 tensor) for every weight, by role (either expert layout)."""
+    """(GGUF name, shape, a function that makes the float32 tensor) for every weight, by role
+    (either expert layout): the shapes come first, each tensor only when it is written."""
     c = ckpt.config
     a, D, V, E, I = c.attention, c.hidden_size, c.vocab_size, c.num_experts, c.expert.inter
     f32 = torch.float32
 
     def get(role, shape, layer=None):
-        return ckpt.get(role, shape, layer).to(f32)
+        return lambda: ckpt.get(role, shape, layer).to(f32)
 
-    yield "token_embd.weight", get("embed", (V, D))
-    yield "output_norm.weight", get("final_norm", (D,))
-    head = None if c.tie_word_embeddings else ckpt.get("lm_head", (V, D), required=False)
-    yield "output.weight", (get("embed", (V, D)) if head is None else head.to(f32))
+    def entry(name, shape, make):
+        return name, tuple(shape), make
+
+    yield entry("token_embd.weight", (V, D), get("embed", (V, D)))
+    yield entry("output_norm.weight", (D,), get("final_norm", (D,)))
+    tied = c.tie_word_embeddings or ckpt.get("lm_head", (V, D), required=False) is None
+    yield entry("output.weight", (V, D), get("embed" if tied else "lm_head", (V, D)))
     q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     for i in range(c.num_layers):
         blk = f"blk.{i}."
-        yield blk + "attn_norm.weight", get("attn_norm", (D,), i)
-        yield blk + "attn_q.weight", rope_to_interleaved(get("q", (q_out, D), i), a.num_heads)
-        yield blk + "attn_k.weight", rope_to_interleaved(get("k", (kv_out, D), i), a.num_kv_heads)
-        yield blk + "attn_v.weight", get("v", (kv_out, D), i)
-        yield blk + "attn_output.weight", get("o", (D, q_out), i)
-        yield blk + "ffn_norm.weight", get("mlp_norm", (D,), i)
-        yield blk + "ffn_gate_inp.weight", get("router", (E, D), i)
-        views = [expert_views(ckpt.expert_buffer(i, e, f32), c.expert) for e in range(E)]
-        yield blk + "ffn_gate_exps.weight", torch.stack([v.w_in[:I] for v in views])
-        yield blk + "ffn_up_exps.weight", torch.stack([v.w_in[I:] for v in views])
-        yield blk + "ffn_down_exps.weight", torch.stack([v.w_out for v in views])
+        q, k = get("q", (q_out, D), i), get("k", (kv_out, D), i)
+        yield entry(blk + "attn_norm.weight", (D,), get("attn_norm", (D,), i))
+        yield entry(blk + "attn_q.weight", (q_out, D), lambda q=q: rope_to_interleaved(q(), a.num_heads))
+        yield entry(blk + "attn_k.weight", (kv_out, D), lambda k=k: rope_to_interleaved(k(), a.num_kv_heads))
+        yield entry(blk + "attn_v.weight", (kv_out, D), get("v", (kv_out, D), i))
+        yield entry(blk + "attn_output.weight", (D, q_out), get("o", (D, q_out), i))
+        yield entry(blk + "ffn_norm.weight", (D,), get("mlp_norm", (D,), i))
+        yield entry(blk + "ffn_gate_inp.weight", (E, D), get("router", (E, D), i))
+        yield entry(blk + "ffn_gate_exps.weight", (E, I, D), lambda i=i: _experts(ckpt, i, lambda v: v.w_in[:I]))
+        yield entry(blk + "ffn_up_exps.weight", (E, I, D), lambda i=i: _experts(ckpt, i, lambda v: v.w_in[I:]))
+        yield entry(blk + "ffn_down_exps.weight", (E, D, I), lambda i=i: _experts(ckpt, i, lambda v: v.w_out))
+
+
+def _experts(ckpt: Checkpoint, layer: int, part) -> torch.Tensor:
+    """One block's experts' `part` matrices stacked [E, rows, cols], in float32."""
+    c = ckpt.config
+    return torch.stack([part(expert_views(ckpt.expert_buffer(layer, e, torch.float32), c.expert))
+                        for e in range(c.num_experts)])
