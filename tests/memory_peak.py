@@ -11,7 +11,7 @@ reclaim them before the child may pass it, and kill the child (OOM) if its own m
 
 Elsewhere the peak is the child's VmHWM (the kernel's exact high-water mark of its resident
 set) less its file-backed and shared part (RssFile + RssShmem: the libraries it maps, about
-0.1 GiB), both read from /proc/self/status as the child exits (SPECMOE_TEST_NO_CGROUP=1
+0.1 GiB), both read from /proc/self/status as the child exits (SPECMOE_NO_CGROUP=1
 measures so everywhere).
 """
 
@@ -21,9 +21,10 @@ import itertools
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from specmoe.bench.cgroup import Cgroup
 
 # Runs `python -m MODULE ARGS...` and writes the process's /proc/self/status to PATH as it exits.
 EXIT_STATUS = """
@@ -67,96 +68,6 @@ def _status(path: Path) -> dict[str, int]:
     return fields
 
 
-class Cgroup:
-    """A memory cgroup below this process's own, or None from `make` where the machine does not allow one."""
-
-    def __init__(self, path: Path, v2: bool):
-        self.path, self.v2 = path, v2
-
-    @classmethod
-    def parent(cls) -> tuple[Path, bool] | None:
-        """This process's memory cgroup directory, and whether it is v2, if children can be made there."""
-        try:
-            mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-            own = Path("/proc/self/cgroup").read_text().splitlines()
-        except OSError:
-            return None
-        for line in mounts:
-            fields, _, fs = line.partition(" - ")
-            fields, fs = fields.split(), fs.split()
-            root, point, fstype, options = fields[3], fields[4], fs[0], fs[-1].split(",")
-            if fstype == "cgroup" and "memory" in options:
-                mine = [ln.split(":", 2)[2] for ln in own if "memory" in ln.split(":")[1].split(",")]
-                v2 = False
-            elif fstype == "cgroup2":
-                mine = [ln.split(":", 2)[2] for ln in own if ln.startswith("0::")]
-                v2 = True
-            else:
-                continue
-            if not mine or not (mine[0] + "/").startswith(root.rstrip("/") + "/"):
-                continue
-            path = Path(point) / os.path.relpath(mine[0], root)
-            if v2:  # children get the memory controller only where it is enabled below this cgroup
-                try:
-                    if "memory" not in (path / "cgroup.subtree_control").read_text().split():
-                        continue
-                except OSError:
-                    continue
-            if os.access(path, os.W_OK):
-                return path, v2
-        return None
-
-    @classmethod
-    def make(cls, limit: int | None) -> Cgroup | None:
-        found = None if os.environ.get("SPECMOE_TEST_NO_CGROUP") == "1" else cls.parent()
-        if found is None:
-            return None
-        parent, v2 = found
-        path = parent / f"specmoe-test-{os.getpid()}-{next(_names)}"
-        try:
-            path.mkdir()
-        except OSError:
-            return None
-        group = cls(path, v2)
-        if not (path / group._peak_file).is_file():  # v2 before Linux 5.19 has no memory.peak
-            group.remove()
-            return None
-        if limit is not None:
-            group._write("memory.max" if v2 else "memory.limit_in_bytes", limit)
-            # without swap for its own memory: past the limit it is killed, not swapped out
-            group._write("memory.swap.max" if v2 else "memory.swappiness", 0)
-            if not v2 and (path / "memory.memsw.limit_in_bytes").is_file():
-                group._write("memory.memsw.limit_in_bytes", limit)
-        return group
-
-    @property
-    def _peak_file(self) -> str:
-        return "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
-
-    def _write(self, name: str, value: int) -> None:
-        try:
-            (self.path / name).write_text(str(value))
-        except OSError:
-            if name in ("memory.max", "memory.limit_in_bytes"):
-                raise
-
-    def peak(self) -> int:
-        return int((self.path / self._peak_file).read_text())
-
-    def oom_kills(self) -> int:
-        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
-        counts = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
-        return int(counts.get("oom_kill", 0))
-
-    def remove(self) -> None:
-        for _ in range(50):  # the child's exit may take a moment to leave the cgroup
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.02)
-
-
 def warm(paths) -> None:
     """Read every file under `paths` here, so that their pages in the page cache are this process's."""
     for root in paths:
@@ -174,8 +85,8 @@ def run_module(module: str, args: list[str], *, env: dict, status_dir: Path, lim
     status = Path(status_dir) / f"status-{os.getpid()}-{next(_names)}"
     cmd = [sys.executable, "-c", EXIT_STATUS, str(status), module, *args]
     group = Cgroup.make(limit)
-    if group is not None:  # the shell joins the cgroup, then becomes the child: every page is counted
-        cmd = ["sh", "-c", f'echo $$ > "{group.path}/cgroup.procs" && exec "$@"', "sh", *cmd]
+    if group is not None:
+        cmd = group.join_command(cmd)
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
         cgroup_peak = group.peak() if group is not None else None
