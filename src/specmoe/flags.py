@@ -36,6 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 24G "
                    "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "
                    "+ 30%% of all expert bytes")
+    add_memory_limit_arg(p)
     p.add_argument("--max-model-len", type=int, help="KV positions reserved per sequence (default: model's, at most 2048)")
     p.add_argument("--gamma", type=int,
                    help=f"draft tokens in every speculative step (specmoe; default: {EngineConfig.gamma} in the first, "
@@ -63,11 +64,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="write a per-step routing/timing trace (JSON lines) to FILE")
 
 
+def add_memory_limit_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-limit", help="CPU only, instead of --device-memory: the whole process's memory, e.g. "
+                   "16GiB, or 50%% of this machine's; the device budget is what is left after what the process "
+                   "holds before loading weights (measured), a step's activations, the tier's buffers and the "
+                   "allocator's slack")
+
+
 def engine_options(args, max_batch_size: int) -> dict:
     return dict(
         device=args.device, dtype=args.dtype, policy=args.policy, offload=args.offload,
         offload_dir=args.offload_dir, offload_bandwidth=args.offload_bandwidth,
-        device_memory=args.device_memory, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
+        device_memory=args.device_memory, memory_limit=args.memory_limit, max_batch_size=max_batch_size, max_model_len=args.max_model_len,
         gamma=EngineConfig.gamma if args.gamma is None else args.gamma, adapt_gamma=args.gamma is None,
         draft_experts=args.draft_experts, draft_set=args.draft_set,
         substitution=args.substitution, draft_compute=args.draft_compute, draft_quant=args.draft_quant,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .errors import SpecMoEError
 from .families import FAMILIES, Family
+from .memory import total_ram_bytes
 from .model_config import ModelConfig
 from .units import parse_rate, parse_size
 
@@ -48,6 +49,11 @@ class EngineConfig:
     # bytes for weights, KV cache and expert pool; "30%": those weights and KV cache plus
     # 30 % of all expert bytes; None: no limit
     device_memory: int | str | None = None
+    # the whole process's memory on a CPU-only machine (--memory-limit): the device budget is what
+    # is left after what the process measurably holds before loading weights, a step's
+    # activations, the tier's buffers and the allocator's slack (engine/host_memory.py); "50%":
+    # that share of this machine's memory. Instead of device_memory, not beside it.
+    memory_limit: int | str | None = None
     offload_bandwidth: float | None = None  # bytes/s cap on the slow tier (an emulation)
     offload_dir: str | None = None  # where the disk tier keeps its expert file
     max_batch_size: int = 32
@@ -92,6 +98,8 @@ class EngineConfig:
             _choice(name, getattr(self, name), allowed)
         if self.device_memory is not None and expert_share(self.device_memory) is None:
             object.__setattr__(self, "device_memory", parse_size(self.device_memory, "device_memory"))
+        if self.memory_limit is not None and ram_share(self.memory_limit) is None:
+            object.__setattr__(self, "memory_limit", parse_size(self.memory_limit, "memory_limit"))
         if self.draft_memory not in (None, "auto") and budget_share(self.draft_memory, "draft_memory") is None:
             object.__setattr__(self, "draft_memory", parse_size(self.draft_memory, "draft_memory"))
         if self.offload_bandwidth is not None:
@@ -126,6 +134,12 @@ class EngineConfig:
                 and self.draft_experts is None and self.draft_compute == "device")
 
     def _check_combinations(self) -> None:
+        if self.memory_limit is not None and self.device_memory is not None:
+            raise SpecMoEError("--memory-limit (the whole process) and --device-memory (the engine's ledger) "
+                               "both set: keep one, --memory-limit where you know the machine's memory")
+        if self.memory_limit is not None and self.device == "cuda":
+            raise SpecMoEError("--memory-limit bounds a CPU-only run's whole process; on cuda give the GPU's "
+                               "budget with --device-memory")
         if self.policy == "host" and self.offload != "host":
             raise SpecMoEError("policy host computes experts where they live and needs --offload host (not disk)")
         if self.draft_compute == "host" and self.offload != "host":
@@ -160,6 +174,24 @@ class EngineConfig:
 def expert_share(device_memory) -> float | None:
     """'30%' -> 0.3 (a budget relative to the model's expert bytes); None for absolute sizes."""
     return _share(device_memory, f"device_memory {device_memory!r}: a share of the expert bytes must be 0%..100%")
+
+
+def ram_share(memory_limit) -> float | None:
+    """'50%' -> 0.5 (a share of this machine's memory); None for absolute sizes."""
+    return _share(memory_limit, f"memory_limit {memory_limit!r}: a share of this machine's memory must be "
+                  "above 0% and at most 100%", zero=False)
+
+
+def memory_limit_bytes(memory_limit) -> int:
+    """--memory-limit in bytes: a size, or a share of this machine's memory (MemTotal)."""
+    share = ram_share(memory_limit)
+    if share is None:
+        return parse_size(memory_limit, "--memory-limit")
+    total = total_ram_bytes()
+    if total is None:
+        raise SpecMoEError(f"--memory-limit {memory_limit}: this system does not say how much memory it has "
+                           "(no /proc/meminfo); give a size, e.g. 16GiB")
+    return int(share * total)
 
 
 def budget_share(value, name: str) -> float | None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 import resource
 import sys
+from dataclasses import dataclass
 
 HOST_ALLOWANCE_BYTES = 256 << 20  # the interpreter, torch and the tokenizer (~150 MiB here), activations
 HOST_ALLOWANCE_SHARE = 0.15  # the allocator's slack and per-step scratch grow with what the budget holds
@@ -73,11 +75,72 @@ def _malloc_trim():
 def available_bytes() -> int | None:
     """The kernel's estimate of memory available to new work without swapping
     (MemAvailable: free memory plus the page cache it could reclaim); None off Linux."""
+    return _meminfo("MemAvailable")
+
+
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo field in bytes, or None off Linux."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+# --- --memory-limit: the whole process's memory, from which the device budget is derived -------
+
+# The allocator's slack on top of what the ledger holds (glibc arenas, torch's caching of freed
+# blocks, fragmentation between experts loaded and freed), as a share of the budget. Measured on
+# the widened demo model with the disk tier (docs/MEMORY.md, "A limit for the whole process").
+LIMIT_SLACK_SHARE = 0.05
+# Per-step activations estimated from shapes (engine/host_memory.py) are multiplied by this: the
+# temporaries torch keeps alive at once within a layer were measured at up to 1.6x the estimate.
+SCRATCH_MARGIN = 1.5
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set now (VmRSS: its own memory, the files it maps, shared memory),
+    or None off Linux: what the process holds before the engine loads anything is a fixed cost."""
+    return _status("VmRSS")
+
+
+def total_ram_bytes() -> int | None:
+    """This machine's memory (MemTotal), or None off Linux."""
+    return _meminfo("MemTotal")
+
+
+@dataclass(frozen=True)
+class LimitPlan:
+    """How `--memory-limit` (the whole process) splits: what the process held before loading
+    any weight (`fixed`, measured), the per-step activations (`scratch`), the offload tier's
+    host buffers (`tier`), the allocator's slack on the budget, and the device budget: the
+    engine's ledger for weights, KV cache, draft copies and expert pool."""
+
+    limit: int
+    fixed: int
+    scratch: int
+    tier: int
+    slack_share: float = LIMIT_SLACK_SHARE
+
+    @property
+    def overhead(self) -> int:
+        return self.fixed + self.scratch + self.tier
+
+    @property
+    def budget(self) -> int:
+        """The device budget (may be <= 0: the limit is too small for the fixed costs alone)."""
+        return int((self.limit - self.overhead) / (1 + self.slack_share))
+
+    def limit_for(self, budget: int) -> int:
+        """The smallest limit whose budget is at least `budget` bytes."""
+        need = self.overhead + math.ceil(budget * (1 + self.slack_share))
+        while LimitPlan(need, self.fixed, self.scratch, self.tier, self.slack_share).budget < budget:
+            need += 1  # int() of the division may round one byte short
+        return need
+
+    def as_dict(self) -> dict:
+        return {"memory_limit": self.limit, "fixed_bytes": self.fixed, "step_scratch_bytes": self.scratch,
+                "tier_host_bytes": self.tier, "slack_share": self.slack_share, "device_budget": self.budget}

@@ -31,6 +31,7 @@ from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
+from .host_memory import check_limit, measure_fixed, plan_limit
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token, sample_tokens
 from .scheduler import Scheduler
@@ -130,17 +131,27 @@ class Engine:
         )
         # multiplied as stored, a bfloat16 checkpoint's matrices are bfloat16 in every pass already
         self.draft_dense = None if self.as_stored else draft_dense_dtype(options, self.config, self.device, self.dtype)
+        # --memory-limit: what the process holds before any weight (interpreter, torch, tokenizer) is measured
+        fixed = None if options.memory_limit is None else measure_fixed(self.device)
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense, self.as_stored)
         # windowed layers keep a ring of their window plus the drafts a step may roll back
         rollback = max(options.gamma, MAX_GAMMA)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = self.config.kv_elements_per_sequence(self.max_model_len, rollback) * elem * options.max_batch_size
-        slot_bytes = expert_format(self.config, self.dtype, self.device, checkpoint_expert_dtype(self.checkpoint),
-                                   blockdot.as_stored(options.dtype, self.device)).slot_bytes  # as Runtime's
+        fmt = expert_format(self.config, self.dtype, self.device, checkpoint_expert_dtype(self.checkpoint),
+                            blockdot.as_stored(options.dtype, self.device))  # as Runtime's
+        slot_bytes = fmt.slot_bytes
         # the smallest budget this configuration runs in: every error about the budget names it
         minimum = weights.nbytes + kv_bytes + min_device_bytes(self.config, options, slot_bytes, self.device, self.dtype)
-        self.budget = DeviceBudget(self._budget_bytes(options.device_memory, weights.nbytes, kv_bytes, slot_bytes),
-                                   minimum)
+        device_memory = options.device_memory
+        self.memory_plan = None
+        if fixed is not None:
+            self.memory_plan = plan_limit(options, self.config, fixed=fixed, elem=elem, max_model_len=self.max_model_len,
+                                          prefill_tokens=MAX_PREFILL_TOKENS, stored_bytes=fmt.nbytes,
+                                          converts=fmt.converts)
+            check_limit(self.memory_plan, minimum)
+            device_memory = self.memory_plan.budget
+        self.budget = DeviceBudget(self._budget_bytes(device_memory, weights.nbytes, kv_bytes, slot_bytes), minimum)
         self.budget.reserve("non-expert weights", weights.nbytes)
         model_class = EncoderDecoderTransformer if self.config.seq2seq else MoETransformer
         self.model = model_class(self.config, weights, self.device, self.dtype, invariant=self.as_stored)

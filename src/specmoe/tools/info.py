@@ -13,16 +13,17 @@ from ..base.memory import host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
-from ..engine.engine import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
+from ..engine.engine import DEFAULT_MAX_MODEL_LEN, MAX_PREFILL_TOKENS, resolve_device, resolve_dtype
+from ..engine.host_memory import measure_fixed, plan_limit
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
-from ..flags import add_model_args
+from ..flags import add_memory_limit_arg, add_model_args
 from ..kernels import blockdot
 from ..kernels.blockdot import as_stored
-from ..policies import POLICIES
+from ..policies import POLICIES, min_device_bytes
 from ..policies.specmoe.draft_memory import describe as describe_draft
 
 
@@ -30,6 +31,10 @@ def register(subparsers) -> None:
     i = subparsers.add_parser("info", help="describe a model: shape, bytes, what fits in a device budget")
     add_model_args(i)
     i.add_argument("--device-memory", help="report what fits in this budget, e.g. 512MiB, 24G (GiB) or 30%%")
+    add_memory_limit_arg(i)
+    i.add_argument("--policy", default="specmoe", help="the policy whose per-step activations --memory-limit "
+                   "plans for (default specmoe: its verify pass is the widest)")
+    i.add_argument("--offload", default="disk", help="the tier --memory-limit plans for: disk | host (default disk)")
     i.add_argument("--batch-size", type=int, default=16, help="sequences whose KV cache the budget must hold")
     i.add_argument("--max-model-len", type=int, help="KV positions per sequence (default: model's, at most 2048)")
     i.add_argument("--draft-quant", help="also report per-block quantization error of int8 | int4 | int3 | int2 draft "
@@ -46,7 +51,8 @@ def run_info(args) -> int:
     directory = Path(args.offload_dir) if args.offload_dir else offload_dir()
     info = model_info(args.model, device_memory=args.device_memory, dtype=args.dtype,
                       batch_size=args.batch_size, max_model_len=args.max_model_len, draft_quant=args.draft_quant,
-                      draft_memory=args.draft_memory, cache_dir=directory)
+                      draft_memory=args.draft_memory, cache_dir=directory, memory_limit=args.memory_limit,
+                      policy=args.policy, offload=args.offload, device=args.device)
     info["offload_dir"] = str(directory)
     info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
     if args.json:
@@ -57,7 +63,13 @@ def run_info(args) -> int:
 
 
 def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_model_len=None, device="auto",
-               draft_quant=None, draft_memory=None, cache_dir=None) -> dict:
+               draft_quant=None, draft_memory=None, cache_dir=None, memory_limit=None, policy="specmoe",
+               offload="disk") -> dict:
+    limit_options = None
+    if memory_limit is not None:  # checked as the engine checks it: one of the two, on the CPU
+        limit_options = EngineConfig(device=device, dtype=dtype, policy=policy, offload=offload,
+                                     device_memory=device_memory, memory_limit=memory_limit, max_batch_size=batch_size)
+        fixed = measure_fixed(resolve_device(device))  # this process, before any weight, as the engine measures its own
     ckpt = open_checkpoint(resolve_model_dir(model))
     c = ckpt.config
     compute_dtype = resolve_dtype(dtype, ckpt, resolve_device(device))
@@ -109,6 +121,13 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
                            "bytes_per_expert": row["bytes_per_expert"]}
             for row in quant_error_report(ckpt, draft_quant)
         }
+    if limit_options is not None:
+        fmt = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
+                            as_stored(dtype, resolve_device(device)))
+        plan = plan_limit(limit_options, c, fixed=fixed, elem=elem, max_model_len=max_len,
+                          prefill_tokens=MAX_PREFILL_TOKENS, stored_bytes=fmt.nbytes, converts=fmt.converts)
+        info["memory_limit_plan"] = plan.as_dict()
+        device_memory = plan.budget  # below: what fits in it, as for --device-memory
     if device_memory is not None:
         kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
         share = expert_share(device_memory)
@@ -128,7 +147,12 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["experts_fit"] = min(fit, num_experts_total)
         info["experts_fit_per_block"] = per_block
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
-        if resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
+        if limit_options is not None:  # the limit is the bound, and the smallest one this configuration runs in
+            info["host_peak_bound_bytes"] = plan.limit
+            need = info["non_expert_bytes"] + kv + min_device_bytes(c, limit_options, slot, resolve_device(device),
+                                                                   compute_dtype)
+            info["memory_limit_smallest"] = plan.limit_for(need)
+        elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
             info["host_peak_bound_bytes"] = host_bound(budget)
     if draft_memory is not None:
         slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
@@ -239,7 +263,8 @@ def render_info(info: dict) -> None:
 
     table = Table(show_header=False, box=None)
     for key, value in info.items():
-        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory", "draft_memory"):
+        if key.endswith("bytes") or key.endswith("_bytes_total") or key in ("device_memory", "draft_memory",
+                                                                                           "memory_limit_smallest"):
             value = f"{format_bytes(value)} ({value:,} B)"
         elif isinstance(value, dict):
             value = ", ".join(f"{k}: {v}" for k, v in value.items())

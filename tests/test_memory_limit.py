@@ -1,0 +1,155 @@
+"""`--memory-limit SIZE`: the whole process's memory on a CPU-only machine, from which the
+device budget is derived (engine/host_memory.py). The bookkeeping is checked in plain
+Python; the proof is the kernel's: a run in a memory cgroup capped at the limit completes
+without an OOM kill, while the same run given the cap as --device-memory does not stay in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from factories import install_fixed_profile
+from memory_peak import run_module
+
+from specmoe.base.config import EngineConfig, memory_limit_bytes
+from specmoe.base.errors import SpecMoEError
+from specmoe.base.memory import LimitPlan, total_ram_bytes
+from specmoe.base.units import parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout.jsonl"
+
+
+# --- bookkeeping --------------------------------------------------------------------------------
+
+
+def test_the_budget_is_the_limit_less_the_fixed_costs_and_the_slack():
+    plan = LimitPlan(limit=1000 << 20, fixed=300 << 20, scratch=50 << 20, tier=4 << 20, slack_share=0.05)
+    assert plan.budget == int((1000 - 354) * 2**20 / 1.05)
+    for budget in (1, plan.budget, 123_456_789):
+        need = plan.limit_for(budget)
+        assert LimitPlan(need, plan.fixed, plan.scratch, plan.tier).budget >= budget
+        assert LimitPlan(need - 1, plan.fixed, plan.scratch, plan.tier).budget < budget  # the smallest
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1.5GiB", 3 << 29), ("1500MB", 1_500_000_000), (2 << 30, 2 << 30)])
+def test_a_limit_reads_as_every_size(text, expected):
+    assert EngineConfig(memory_limit=text).memory_limit == expected
+
+
+def test_a_percentage_is_a_share_of_this_machines_memory():
+    assert EngineConfig(memory_limit="50%").memory_limit == "50%"
+    assert memory_limit_bytes("50%") == int(0.5 * total_ram_bytes())
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"memory_limit": "lots"}, "memory_limit 'lots' is not a size"),
+    ({"memory_limit": "0%"}, "a share of this machine's memory must be above 0%"),
+    ({"memory_limit": "1GiB", "device_memory": "1GiB"}, "both set: keep one"),
+    ({"memory_limit": "1GiB", "device": "cuda"}, "on cuda give the GPU's budget with --device-memory"),
+])
+def test_bad_limits_are_one_line_errors(options, message):
+    with pytest.raises(SpecMoEError, match=message) as err:
+        EngineConfig(**options)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_refuses_both_flags_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "specmoe.cli", "generate", "hello", "--memory-limit", "1GiB",
+                          "--device-memory", "1GiB"], capture_output=True, text=True,
+                         env=dict(os.environ, SPECMOE_CACHE_DIR=str(tmp_path)))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "keep one" in out.stderr, out.stderr
+
+
+# --- the engine and info plan the same budget ---------------------------------------------------
+
+FIXED = 200 << 20  # the measured fixed cost, pinned so that two processes' plans can be compared
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    monkeypatch.setattr("specmoe.engine.host_memory.resident_bytes", lambda: FIXED)
+
+
+def test_info_plans_the_budget_the_engine_takes(pinned, tmp_path):
+    from specmoe import LLM
+    from specmoe.tools.info import model_info
+
+    shape = dict(max_batch_size=4, max_model_len=64)
+    info = model_info(None, memory_limit="600MiB", batch_size=4, max_model_len=64, device="cpu", policy="ondemand")
+    llm = LLM(model=None, device="cpu", policy="ondemand", memory_limit="600MiB", offload_dir=str(tmp_path), **shape)
+    assert info["memory_limit_plan"] == llm.engine.memory_plan.as_dict()
+    assert info["device_memory"] == llm.engine.budget.limit == llm.engine.memory_plan.budget
+    assert info["host_peak_bound_bytes"] == 600 << 20
+    smallest = info["memory_limit_smallest"]
+    llm.close()
+    # the smallest limit info names runs; a byte less is refused, naming it
+    LLM(model=None, device="cpu", policy="ondemand", memory_limit=smallest, offload_dir=str(tmp_path), **shape).close()
+    with pytest.raises(SpecMoEError, match="raise it to at least") as err:
+        LLM(model=None, device="cpu", policy="ondemand", memory_limit=smallest - 1, offload_dir=str(tmp_path), **shape)
+    assert parse_size(str(err.value).rsplit("at least ", 1)[1].replace(" ", "")) >= smallest
+
+
+def test_a_limit_below_the_fixed_cost_names_the_smallest_that_works(pinned, tmp_path):
+    from specmoe import LLM
+
+    with pytest.raises(SpecMoEError, match=r"--memory-limit 100.0 MiB is too small: this process already holds "
+                                           r"200.0 MiB.*raise it to at least"):
+        LLM(model=None, device="cpu", policy="ondemand", memory_limit="100MiB", offload_dir=str(tmp_path),
+            max_batch_size=4, max_model_len=64)
+
+
+# --- the kernel's count -------------------------------------------------------------------------
+
+# The demo model widened 4x (experts 3 MiB as stored, 384 MiB in all, 13 MiB beside them), the
+# disk tier at B = 4: the whole process capped at CAP. What it held before any weight (~235 MiB
+# here, 135 MiB of it its own) is a third of the cap: a budget that forgot it would not fit.
+CAP = 700 << 20
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wide") / "k4m4"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_size_model.py"), str(out), "--hidden-factor", "4",
+                    "--expert-factor", "4"], check=True, capture_output=True)
+    return out
+
+
+def capped_run(model: Path, cache: Path, *flags: str):
+    args = ["generate", "--model", str(model), "--prompts-file", str(PROMPTS), "--num-prompts", "4",
+            "--batch-size", "4", "--max-tokens", "4", "--ignore-eos", "--max-model-len", "64", "--json",
+            "--policy", "specmoe", "--offload", "disk", *flags]
+    return run_module("specmoe.cli", args, env=dict(os.environ, SPECMOE_CACHE_DIR=str(cache)),
+                      status_dir=cache.parent, limit=CAP, warm_paths=[model, cache])
+
+
+@pytest.fixture(scope="module")
+def cache(wide_model, tmp_path_factory):
+    """A cache dir whose expert file and draft copies a first run, under the cap, built."""
+    cache = tmp_path_factory.mktemp("cache") / "cache"
+    cache.mkdir()
+    install_fixed_profile(cache)
+    first = capped_run(wide_model, cache, "--memory-limit", str(CAP))
+    assert first.returncode == 0 and not first.killed_at_limit, first.stderr[-2000:]
+    return cache
+
+
+def test_a_run_under_its_limit_stays_in_a_cgroup_capped_there(wide_model, cache):
+    run = capped_run(wide_model, cache, "--memory-limit", str(CAP))
+    assert not run.killed_at_limit, "OOM-killed at its own --memory-limit"
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.peak is not None and run.peak <= CAP, (run.peak, run.method)
+    plan = json.loads(run.stdout)["stats"]["memory_limit_plan"]
+    assert plan["memory_limit"] == CAP and plan["fixed_bytes"] > 100 << 20  # measured: torch alone is more
+
+
+def test_the_cap_as_a_device_budget_does_not_stay_in_it(wide_model, cache):
+    """The check above can fail: the same run given the cap as its ledger's budget holds the
+    fixed costs beside it, and the kernel kills it (or, without a cgroup, it peaks above)."""
+    run = capped_run(wide_model, cache, "--device-memory", str(CAP))
+    assert run.killed_at_limit or run.returncode != 0 or run.peak > CAP, (run.peak, run.method)
