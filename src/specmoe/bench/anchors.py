@@ -17,20 +17,18 @@ first token to the last (timestamps taken as each step's logits are ready).
 from __future__ import annotations
 
 import copy
-import functools
 import gc
 import importlib.util
 import time
-
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..base.checkpoint import Checkpoint
 from ..base.gguf_file import is_gguf, model_file
 from ..engine.stats import token_ids_sha256
 from ..tools.gguf_export import cached_gguf
+from .llama_batch import LlamaBatch, chunks
 from .runners import Runner
 
 ANCHORS = ("transformers", "llama.cpp")
@@ -57,10 +55,6 @@ def missing(name: str) -> str | None:
 def runs_at(name: str, batch_size: int) -> bool:
     """Whether an anchor runs at this batch size (every anchor runs at every one)."""
     return name in ANCHORS
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i: i + size] for i in range(0, len(items), size)]
 
 
 def _record(label, batch_size, prompts, outputs, wall_s, ttfts, decode_s, extra) -> dict:
@@ -137,7 +131,7 @@ class TransformersRunner(Runner):
         outputs, ttfts, decode_s = [], [], 0.0
         pad = self.gen.pad_token_id
         start = time.perf_counter()
-        for chunk in _chunks(self.prompts, self.batch_size):
+        for chunk in chunks(self.prompts, self.batch_size):
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=self.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
@@ -157,19 +151,10 @@ class TransformersRunner(Runner):
         gc.collect()
 
 
-@functools.lru_cache(maxsize=1)
-def _quiet_log(lib):
-    """llama.cpp's log callback that prints nothing, made once and kept for the process:
-    llama.cpp keeps the pointer after a runner closes, and a later call that logs (the
-    quantizer's, the next runner's) through a freed callback crashed the process in libffi."""
-    return lib.llama_log_callback(lambda level, text, data: None)
-
-
 class LlamaCppRunner(Runner):
     """llama.cpp on the checkpoint's GGUF copy, greedy, B sequences decoded together
-    through its batch API (llama_decode over one batch holding a token of every
-    sequence, each sequence its own seq_id in one KV cache): at B = 1 one request after
-    another, as a llama.cpp user runs it; at B > 1 as its `llama-batched` example does."""
+    (llama_batch.py): at B = 1 one request after another, as a llama.cpp user runs it; at
+    B > 1 as its `llama-batched` example does."""
 
     kind = "anchor"
     label = "llama.cpp"
@@ -178,78 +163,21 @@ class LlamaCppRunner(Runner):
                  cache: Path):
         import llama_cpp
 
-        self.lib = lib = llama_cpp
         # a GGUF model is the anchor's own file, as its users run it; a checkpoint directory its float32 copy
         gguf = is_gguf(Path(model_dir))
         path = model_file(Path(model_dir)) if gguf else cached_gguf(Checkpoint(Path(model_dir)), cache)
-        lib.llama_log_set(_quiet_log(lib), None)
-        lib.llama_backend_init()
-        self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        chunks = _chunks(prompts, batch_size)
-        prefill = max(sum(len(p) for p in c) for c in chunks)
-        cp = lib.llama_context_default_params()
-        cp.n_seq_max = batch_size
-        cp.n_ctx = batch_size * (max(len(p) for p in prompts) + max_tokens + 1)
-        cp.n_batch = cp.n_ubatch = max(512, prefill)
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.kv_unified = True  # one cache for all sequences, as llama-batched uses it
-        self.ctx = lib.llama_init_from_model(self.model, cp)
-        self.batch = lib.llama_batch_init(cp.n_batch, 0, batch_size)
-        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        self.prompts, self.batch_size, self.max_tokens = prompts, batch_size, max_tokens
-        self.fields = {"version": lib.__version__, "dtype": "as the file" if gguf else "float32", "threads": threads,
-                       "gguf": path.name}
-
-    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
-        """One llama_decode over (token, position, sequence, wants logits) entries."""
-        b = self.batch
-        b.n_tokens = len(entries)
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
-            b.seq_id[i][0] = seq
-        if self.lib.llama_decode(self.ctx, b) != 0:
-            raise RuntimeError("llama.cpp's llama_decode failed (KV cache full?)")
-
-    def _argmax(self, i: int) -> int:
-        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))
-        return int(np.argmax(logits))
-
-    def _generate(self, chunk: list[list[int]]) -> tuple[list[list[int]], list[float]]:
-        """Greedy tokens of each sequence and the time each step's logits were read."""
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
-        entries = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(chunk) for pos, t in enumerate(p)]
-        self._decode(entries)
-        last = [i for i, e in enumerate(entries) if e[3]]  # each sequence's last prompt position
-        outputs: list[list[int]] = [[] for _ in chunk]
-        times = []
-        for step in range(self.max_tokens):
-            for s, i in enumerate(last):
-                outputs[s].append(self._argmax(i))
-            times.append(time.perf_counter())
-            if step + 1 < self.max_tokens:
-                self._decode([(out[-1], len(p) + step, s, True) for s, (p, out) in enumerate(zip(chunk, outputs))])
-                last = list(range(len(chunk)))
-        return outputs, times
+        self.llama = LlamaBatch(path, prompts, batch_size, max_tokens, threads)
+        self.prompts, self.batch_size = prompts, batch_size
+        self.fields = {"version": llama_cpp.__version__, "dtype": "as the file" if gguf else "float32",
+                       "threads": threads, "gguf": path.name}
 
     def run(self):
-        outputs, ttfts, decode_s = [], [], 0.0
         start = time.perf_counter()
-        for chunk in _chunks(self.prompts, self.batch_size):
-            t0 = time.perf_counter()
-            tokens, times = self._generate(chunk)
-            outputs += tokens
-            ttfts.append(times[0] - t0)
-            decode_s += times[-1] - times[0]
+        outputs, ttfts, decode_s = self.llama.run()
         wall = time.perf_counter() - start
         return (_record(self.label, self.batch_size, self.prompts, outputs, wall, ttfts, decode_s, dict(self.fields)),
                 outputs)
 
     def close(self):
-        lib = self.lib
-        lib.llama_batch_free(self.batch)
-        lib.llama_free(self.ctx)
-        lib.llama_model_free(self.model)
-        self.ctx = self.model = None
+        self.llama.close()
         gc.collect()
