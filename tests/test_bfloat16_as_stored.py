@@ -118,3 +118,20 @@ def test_info_plans_the_budget_the_engine_takes(bf16_ckpt, tmp_path, encoding):
     assert info["device_memory"] == budget.limit
     assert info["expert_bytes"] == engine.engine.policy.pool.expert_bytes
     engine.close()
+
+
+@pytest.mark.parametrize("encoding", ["stored", "float32"])
+def test_info_plans_the_memory_limit_budget_the_engine_takes(bf16_ckpt, tmp_path, monkeypatch, encoding):
+    """`specmoe info --memory-limit 1GiB`: the same split of the limit (a step's activations
+    in the compute dtype, the tier's buffer for the expert as stored) and budget as the engine's."""
+    from specmoe.tools.info import model_info
+
+    monkeypatch.setattr("specmoe.engine.host_memory.resident_bytes", lambda: 200 << 20)
+    path = bf16_ckpt("mixtral")
+    dtype = "auto" if encoding == "stored" else "float32"
+    info = model_info(str(path), memory_limit="1GiB", dtype=dtype, batch_size=4, max_model_len=64, device="cpu",
+                      policy="ondemand")
+    engine = llm(path, policy="ondemand", memory_limit="1GiB", dtype=dtype, offload_dir=str(tmp_path))
+    assert info["memory_limit_plan"] == engine.engine.memory_plan.as_dict()
+    assert info["device_memory"] == engine.engine.budget.limit
+    engine.close()

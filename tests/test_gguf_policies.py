@@ -95,6 +95,23 @@ def test_info_plans_the_budget_the_engine_takes_on_a_gguf_file(resident, tmp_pat
     llm.close()
 
 
+@pytest.mark.parametrize(("family", "type_name"), [("mixtral", "Q4_0"), ("qwen3_moe", "BF16")])
+def test_info_plans_the_memory_limit_budget_the_engine_takes_on_a_gguf_file(resident, tmp_path, monkeypatch,
+                                                                           family, type_name):
+    """`specmoe info --memory-limit 1GiB`: the same split of the limit, and so the same
+    budget, as the engine's, byte for byte, given the same measured fixed cost."""
+    from specmoe.tools.info import model_info
+
+    monkeypatch.setattr("specmoe.engine.host_memory.resident_bytes", lambda: 200 << 20)
+    path, _, _ = resident(family, type_name)
+    info = model_info(str(path), memory_limit="1GiB", batch_size=SHAPE["max_batch_size"],
+                      max_model_len=SHAPE["max_model_len"], device="cpu", policy="ondemand")
+    llm = LLM(model=str(path), policy="ondemand", offload_dir=str(tmp_path), memory_limit="1GiB", **SHAPE)
+    assert info["memory_limit_plan"] == llm.engine.memory_plan.as_dict()
+    assert info["device_memory"] == llm.engine.budget.limit
+    llm.close()
+
+
 def _expert_bytes_in_file(path, layer: int = 0) -> int:
     """One expert's slices of the block's three stacked tensors, as the file stores them."""
     f = GGUFFile(path)
