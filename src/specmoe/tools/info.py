@@ -14,7 +14,7 @@ from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, MAX_PREFILL_TOKENS, resolve_device, resolve_dtype
-from ..engine.host_memory import measure_fixed, plan_limit
+from ..engine.host_memory import check_limit, measure_fixed, plan_limit
 from ..engine.gamma import MAX_GAMMA
 from ..experts.formats import checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
@@ -127,6 +127,12 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         plan = plan_limit(limit_options, c, fixed=fixed, elem=elem, max_model_len=max_len,
                           prefill_tokens=MAX_PREFILL_TOKENS, stored_bytes=fmt.nbytes, converts=fmt.converts)
         info["memory_limit_plan"] = plan.as_dict()
+        # the smallest configuration, as the engine counts it: a limit below it is the engine's error
+        kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size
+        need = info["non_expert_bytes"] + kv + min_device_bytes(c, limit_options, fmt.slot_bytes,
+                                                               resolve_device(device), compute_dtype)
+        info["memory_limit_smallest"] = plan.limit_for(need)
+        check_limit(plan, need)
         device_memory = plan.budget  # below: what fits in it, as for --device-memory
     if device_memory is not None:
         kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
@@ -147,11 +153,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         info["experts_fit"] = min(fit, num_experts_total)
         info["experts_fit_per_block"] = per_block
         info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
-        if limit_options is not None:  # the limit is the bound, and the smallest one this configuration runs in
+        if limit_options is not None:  # the limit is what it may peak at
             info["host_peak_bound_bytes"] = plan.limit
-            need = info["non_expert_bytes"] + kv + min_device_bytes(c, limit_options, slot, resolve_device(device),
-                                                                   compute_dtype)
-            info["memory_limit_smallest"] = plan.limit_for(need)
         elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
             info["host_peak_bound_bytes"] = host_bound(budget)
     if draft_memory is not None:
