@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import draft_memory, draft_split, gguf_tables, real_size, replicas, report, summary, tables, translate, validate
+from . import (beyond_memory, draft_memory, draft_split, gguf_tables, real_size, replicas, report, summary, tables,
+               translate, validate)
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py
@@ -223,6 +224,7 @@ SECTIONS = (
             lambda docs: tables.quantized_models(docs["quantized.json"])),
     gguf_tables.SAME_FILE,
     gguf_tables.GGUF_DISK,
+    beyond_memory.BEYOND_MEMORY,
     Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
             "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
             "out (the Q4_K file keeps the experts' 128-wide down projections in Q5_0, as llama.cpp falls back). "
