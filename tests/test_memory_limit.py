@@ -66,6 +66,22 @@ def test_the_cli_refuses_both_flags_in_one_line(tmp_path):
     assert out.stderr.count("\n") == 1 and "keep one" in out.stderr, out.stderr
 
 
+def test_a_store_holding_more_read_buffers_than_planned_is_a_warning(capsys):
+    from specmoe.engine.host_memory import check_tier
+
+    class Store:
+        tier = "disk"
+
+        def host_scratch_bytes(self):
+            return 8 << 20
+
+    plan = LimitPlan(limit=1 << 30, fixed=0, scratch=0, tier=4 << 20)
+    check_tier(plan, Store())
+    assert "holds 8.0 MiB of read buffers, 4.0 MiB were planned" in capsys.readouterr().err
+    check_tier(LimitPlan(limit=1 << 30, fixed=0, scratch=0, tier=8 << 20), Store())
+    assert capsys.readouterr().err == ""
+
+
 # --- the engine and info plan the same budget ---------------------------------------------------
 
 FIXED = 200 << 20  # the measured fixed cost, pinned so that two processes' plans can be compared
@@ -144,6 +160,7 @@ def test_a_run_under_its_limit_stays_in_a_cgroup_capped_there(wide_model, cache)
     assert not run.killed_at_limit, "OOM-killed at its own --memory-limit"
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.peak is not None and run.peak <= CAP, (run.peak, run.method)
+    assert "--memory-limit" not in run.stderr, run.stderr  # the tier held no more than was planned
     plan = json.loads(run.stdout)["stats"]["memory_limit_plan"]
     assert plan["memory_limit"] == CAP and plan["fixed_bytes"] > 100 << 20  # measured: torch alone is more
 

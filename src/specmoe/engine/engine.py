@@ -31,7 +31,7 @@ from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
-from .host_memory import check_limit, measure_fixed, plan_limit
+from .host_memory import check_limit, check_tier, measure_fixed, plan_limit
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token, sample_tokens
 from .scheduler import Scheduler
@@ -176,6 +176,8 @@ class Engine:
             runtime.options = options
         self.options = options
         self.policy = make_policy(runtime)
+        if self.memory_plan is not None:
+            check_tier(self.memory_plan, getattr(self.policy, "store", None))
         self.scheduler = Scheduler(options.max_batch_size)
         self.counters = RunCounters()
         self._next_id = 0

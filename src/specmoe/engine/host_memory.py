@@ -13,10 +13,11 @@ from __future__ import annotations
 import math
 
 from ..base.config import MAX_GAMMA, EngineConfig, memory_limit_bytes
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, warn
 from ..base.memory import SCRATCH_MARGIN, LimitPlan, release_free_memory, resident_bytes
 from ..base.model_config import ModelConfig
 from ..base.units import format_bytes, format_size_at_least
+from ..experts import store as expert_store
 from ..experts.expert_file import ALIGN
 
 SPECULATIVE = ("specmoe", "auto")
@@ -71,28 +72,34 @@ def step_scratch_bytes(config: ModelConfig, options: EngineConfig, max_model_len
     return math.ceil(need * SCRATCH_MARGIN)
 
 
-def tier_host_bytes(options: EngineConfig, stored_bytes: int, converts: bool, num_experts: int,
-                    store=None) -> int:
-    """Host memory the offload tier keeps outside the ledger. Disk: the reader's aligned
-    bounce buffer (the store's own count where it reports one), and a buffer in the stored
-    layout where a slot holds another (the transfer converts through it). Host: on the CPU
-    every expert lives in this process."""
+def tier_host_bytes(options: EngineConfig, stored_bytes: int, converts: bool, num_experts: int) -> int:
+    """Host memory the offload tier keeps outside the ledger, planned before the store
+    exists (check_tier compares the store's own count): disk, per reader thread, an aligned
+    bounce buffer and, where a slot holds another layout, a buffer in the stored one (the
+    transfer converts through it). Host: on the CPU every expert lives in this process."""
     if options.offload == "host":
         return stored_bytes * num_experts
+    readers = getattr(expert_store, "DISK_READ_DEPTH", 1)  # reads the disk tier keeps in flight
+    return readers * (-(-stored_bytes // ALIGN) * ALIGN + (stored_bytes if converts else 0))
+
+
+def check_tier(plan: LimitPlan, store) -> None:
+    """Warn where the store holds more host scratch than the plan set aside for it."""
     reported = getattr(store, "host_scratch_bytes", None)
-    bounce = reported() if callable(reported) else -(-stored_bytes // ALIGN) * ALIGN  # one blob, aligned
-    return bounce + (stored_bytes if converts else 0)
+    if callable(reported) and getattr(store, "tier", None) == "disk" and reported() > plan.tier:
+        warn(f"--memory-limit: the disk tier holds {format_bytes(reported())} of read buffers, "
+             f"{format_bytes(plan.tier)} were planned; the run may pass its limit by the difference")
 
 
 def plan_limit(options: EngineConfig, config: ModelConfig, *, fixed: int, elem: int, max_model_len: int,
-               prefill_tokens: int, stored_bytes: int, converts: bool, store=None) -> LimitPlan:
+               prefill_tokens: int, stored_bytes: int, converts: bool) -> LimitPlan:
     """The device budget `options.memory_limit` leaves, `fixed` being what the process held
     before loading any weight."""
     experts = len(config.moe_layer_ids) * config.num_experts
     return LimitPlan(
         limit=memory_limit_bytes(options.memory_limit), fixed=fixed,
         scratch=step_scratch_bytes(config, options, max_model_len, elem, prefill_tokens),
-        tier=tier_host_bytes(options, stored_bytes, converts, experts, store),
+        tier=tier_host_bytes(options, stored_bytes, converts, experts),
     )
 
 

@@ -14,8 +14,8 @@ from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, MAX_PREFILL_TOKENS, resolve_device, resolve_dtype
-from ..engine.host_memory import check_limit, measure_fixed, plan_limit
 from ..engine.gamma import MAX_GAMMA
+from ..engine.host_memory import check_limit, measure_fixed, plan_limit
 from ..experts.formats import checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
