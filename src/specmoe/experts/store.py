@@ -7,7 +7,13 @@ checkpoint under a lock, checked when opened, a blob that fails its CRC32 on its
 read rewritten from the checkpoint), read with the page cache bypassed (O_DIRECT, else
 posix_fadvise(DONTNEED), with a warning) so that the bandwidth measured is the disk's.
 `bandwidth` caps the read rate: an *emulation* of a slower link (PCIe 3, a network
-store), not a measurement.
+store), not a measurement; with several readers it caps their sum.
+
+Reads run on the transfer engine's reader threads, `read_depth` of them (several reads in
+flight for the disk, DISK_READ_DEPTH; one for host memory). Each reader thread owns its
+scratch: the disk's aligned bounce buffer and, where the pool's slots need a conversion
+or a CUDA copy needs pinned staging, one expert-sized host tensor (`reader_tensor`).
+`host_scratch_bytes()` is what all of that can take at most, outside the device pool.
 """
 
 from __future__ import annotations
@@ -28,6 +34,14 @@ from ..base.errors import SpecMoEError, os_failure, warn
 from ..base.paths import offload_dir
 from .expert_file import ALIGN, ExpertLayout, Key, open_or_build, repair_blob
 from .formats import ExpertFormat
+from .read_meter import ReadMeter
+
+# Reads the disk tier keeps in flight. Measured on this project's 2-core machine (a virtio
+# disk; 2, 8 and 24 MiB O_DIRECT reads at random offsets, each depth on a region no earlier
+# run read): depth 2 read 1.1-1.9x faster than depth 1, depth 4 no faster than 2, depth 8
+# slower (docs/MEMORY.md has the table). Each reader also copies its expert into the pool
+# on a CPU that computes, so more threads than that only contend.
+DISK_READ_DEPTH = 2
 
 
 class ExpertStore:
@@ -36,35 +50,74 @@ class ExpertStore:
 
     tier = "none"
 
-    def __init__(self, keys: list[Key], numel: int, dtype: torch.dtype, bandwidth: float | None):
+    read_depth = 1  # reader threads, each with one read in flight
+
+    def __init__(self, keys: list[Key], numel: int, dtype: torch.dtype, bandwidth: float | None,
+                 reader_tensor: bool = False, pin: bool = False):
         self.keys = keys
         self.numel, self.dtype = numel, dtype
         self.nbytes = numel * torch.tensor([], dtype=dtype).element_size()
         self.bandwidth = bandwidth
-        self.reset_counters()
+        self._link_free_at = 0.0  # the emulated link's: when its last reservation ends
+        self._link_lock = threading.Lock()
+        self._reader_tensor, self._pin = reader_tensor, pin
+        self._local = threading.local()  # each reader thread's own scratch
+        self.meter = ReadMeter()
 
     def reset_counters(self) -> None:
         """Start counting one run's reads (a run's statistics are that run's alone)."""
-        self.read_bytes = 0
-        self.read_s = 0.0
+        self.meter.reset()
+
+    @property
+    def read_bytes(self) -> int:
+        return self.meter.bytes
+
+    def host_scratch_bytes(self) -> int:
+        """Host bytes the tier holds outside the pool at most: per reader thread, its
+        bounce buffer and its expert-sized conversion or staging tensor."""
+        return self.read_depth * (self._bounce_bytes() + self.nbytes * self._reader_tensor)
+
+    def _bounce_bytes(self) -> int:
+        return 0
+
+    def reader_tensor(self) -> torch.Tensor:
+        """This thread's expert-sized host tensor (a read converted from, or staged for a
+        CUDA copy from; pinned on CUDA), made on first use: readers never share one."""
+        if not self._reader_tensor:
+            raise RuntimeError("internal: this store was opened without reader tensors")
+        tensor = getattr(self._local, "tensor", None)
+        if tensor is None:
+            tensor = torch.empty(self.numel, dtype=self.dtype)
+            self._local.tensor = tensor.pin_memory() if self._pin else tensor
+        return self._local.tensor
 
     def read_into(self, key: Key, dest: torch.Tensor) -> None:
         """Copy expert `key` into `dest` (1-D, `numel` elements, host memory)."""
-        start = time.perf_counter()
-        self._read(key, dest)
-        self._throttle(start)
-        self.read_bytes += self.nbytes
-        self.read_s += time.perf_counter() - start
+        token = self.meter.begin()
+        done = 0
+        try:
+            start = time.perf_counter()
+            self._read(key, dest)
+            self._throttle(start)
+            done = self.nbytes
+        finally:
+            self.meter.end(token, done)
 
     def _read(self, key: Key, dest: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _throttle(self, start: float) -> None:
-        # Emulated link: a read of n bytes takes at least n / bandwidth seconds.
-        if self.bandwidth:
-            remaining = self.nbytes / self.bandwidth - (time.perf_counter() - start)
-            if remaining > 0:
-                time.sleep(remaining)
+        # Emulated link: n bytes take n / bandwidth seconds of the link, which readers
+        # reserve one after another, so several of them share the rate, not multiply it.
+        if not self.bandwidth:
+            return
+        with self._link_lock:
+            begin = max(start, self._link_free_at)
+            self._link_free_at = begin + self.nbytes / self.bandwidth
+            until = self._link_free_at
+        remaining = until - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
 
     def host_tensor(self, key: Key) -> torch.Tensor | None:
         """The expert's buffer in host memory when the tier is host memory, else None."""
@@ -78,7 +131,8 @@ class HostStore(ExpertStore):
     tier = "host"
 
     def __init__(self, ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, pin: bool, bandwidth=None):
-        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth)
+        # one reader: a copy within memory has no device queue to keep busy
+        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth, reader_tensor=fmt.converts)
         self.index = {key: i for i, key in enumerate(keys)}
         self.buffers = torch.empty(len(keys), fmt.numel, dtype=fmt.storage_dtype)
         self.pinned = False
@@ -103,8 +157,15 @@ class DiskStore(ExpertStore):
 
     tier = "disk"
 
-    def __init__(self, ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, directory: str | None, bandwidth=None):
-        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth)
+    def __init__(self, ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, directory: str | None, bandwidth=None,
+                 cuda: bool = False, read_depth: int | None = None):
+        read_depth = DISK_READ_DEPTH if read_depth is None else read_depth
+        if not isinstance(read_depth, int) or isinstance(read_depth, bool) or read_depth < 1:
+            raise SpecMoEError(f"disk read depth must be a whole number >= 1, got {read_depth!r}")
+        # a slot in another layout (int4 for the CPU kernel) is converted from a host tensor;
+        # a CUDA copy comes from pinned staging
+        super().__init__(keys, fmt.numel, fmt.storage_dtype, bandwidth, reader_tensor=fmt.converts or cuda, pin=cuda)
+        self.read_depth = read_depth
         fingerprint = ckpt.fingerprint()
         quantization = fmt.quant.identity() if fmt.quant else None
         self.layout = ExpertLayout(fingerprint, fmt.name, tuple(keys), self.nbytes, quantization)
@@ -113,32 +174,39 @@ class DiskStore(ExpertStore):
         self.path = base / f"experts-{fingerprint}-{fmt.name}.bin"
         self.index = {key: i for i, key in enumerate(keys)}
         self._ckpt, self._format = ckpt, fmt
-        self._ckpt_lock = threading.Lock()  # the checkpoint's reader is not thread-safe; repairs run on the reader thread
+        self._ckpt_lock = threading.Lock()  # the checkpoint's reader is not thread-safe; repairs run on reader threads
+        self._repair_lock = threading.Lock()  # one repair (a write to the file, a counter) at a time
+        self._fd_lock = threading.Lock()
+        self._retired_fds: list[int] = []  # replaced by a fallback: another reader may still be in a read on one
         self.checksums, self.built = open_or_build(self.path, self.layout, self._checkpoint_bytes)
         self.verified = [False] * len(keys)
         self.repaired = 0  # blobs that failed their checksum and were served from the checkpoint
         self.fd, self.direct, self.direct_reason = _open_direct(self.path)
         if not self.direct:
             _warn_buffered(self.path, self.direct_reason)
-        self._buffers = threading.local()  # one aligned bounce buffer per reading thread
 
     def _checkpoint_bytes(self, key: Key) -> bytes:
         with self._ckpt_lock:
             return self._format.read(self._ckpt, *key).contiguous().view(torch.uint8).numpy().tobytes()
 
+    def _bounce_bytes(self) -> int:
+        return self.blob_size
+
     def _bounce(self) -> mmap.mmap:
-        buf = getattr(self._buffers, "buf", None)
+        """This thread's aligned bounce buffer (one per reader thread)."""
+        buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = mmap.mmap(-1, self.blob_size)  # page-aligned, as O_DIRECT requires
-            self._buffers.buf = buf
+            self._local.buf = buf
         return buf
 
     def _read_blob(self, i: int) -> memoryview:
         """Blob `i`'s expert bytes as they are on disk (a view of this thread's buffer)."""
         buf = self._bounce()
         offset = self.layout.offset(i)
+        fd, direct = self.fd, self.direct
         try:
-            got = self._pread(buf, offset)
+            got = self._pread(fd, direct, buf, offset)
         except OSError as exc:
             raise os_failure(exc, f"cannot read expert {self.keys[i]} from the expert file {self.path}",
                              "check the disk (dmesg), or pass --offload-dir DIR on another disk") from None
@@ -159,6 +227,10 @@ class DiskStore(ExpertStore):
     def _repair(self, i: int, key: Key):
         """A blob that fails its checksum is never used: serve the checkpoint's bytes and
         rewrite the blob; it counts as verified once a read of it checks out."""
+        with self._repair_lock:
+            return self._repair_locked(i, key)
+
+    def _repair_locked(self, i: int, key: Key):
         data = self._checkpoint_bytes(key)
         why = repair_blob(self.path, self.layout, i, data)
         self.repaired += 1
@@ -170,21 +242,28 @@ class DiskStore(ExpertStore):
                  f"({why or 'it still reads back wrong'}); reading it from the checkpoint")
         return memoryview(bytearray(data))
 
-    def _pread(self, buf: mmap.mmap, offset: int) -> int:
+    def _pread(self, fd: int, direct: bool, buf: mmap.mmap, offset: int) -> int:
         try:
-            return os.preadv(self.fd, [buf], offset)
+            return os.preadv(fd, [buf], offset)
         except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
-            if not self.direct or exc.errno != errno.EINVAL:
+            if not direct or exc.errno != errno.EINVAL:
                 raise
-            self._fall_back_to_buffered(f"O_DIRECT read refused: {exc.strerror}")
+            self._fall_back_to_buffered(fd, f"O_DIRECT read refused: {exc.strerror}")
             return os.preadv(self.fd, [buf], offset)
 
-    def _fall_back_to_buffered(self, reason: str) -> None:
-        os.close(self.fd)
-        self.fd, self.direct, self.direct_reason = os.open(self.path, os.O_RDONLY), False, reason
+    def _fall_back_to_buffered(self, failed_fd: int, reason: str) -> None:
+        with self._fd_lock:
+            if self.fd != failed_fd:  # another reader fell back already
+                return
+            # not closed yet: another reader may be inside a read on it (closed by close())
+            self._retired_fds.append(self.fd)
+            self.fd, self.direct, self.direct_reason = os.open(self.path, os.O_RDONLY), False, reason
         _warn_buffered(self.path, reason)
 
     def close(self) -> None:
+        for fd in self._retired_fds:
+            os.close(fd)
+        self._retired_fds = []
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -232,5 +311,5 @@ def open_store(ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, device: tor
     if tier == "host":
         return HostStore(ckpt, keys, fmt, pin=device.type == "cuda", bandwidth=bandwidth)
     if tier == "disk":
-        return DiskStore(ckpt, keys, fmt, directory, bandwidth)
+        return DiskStore(ckpt, keys, fmt, directory, bandwidth, cuda=device.type == "cuda")
     raise SpecMoEError(f"unknown offload tier {tier!r}; choose one of: disk, host")

@@ -1,11 +1,15 @@
 """Moving experts from the offload tier into the device pool, asynchronously.
 
-One background reader (a disk or a PCIe link serves one stream best) fills pool slots
-while the main thread computes. On CUDA the host-to-device copy runs on a side stream
-and an event orders it before the compute that uses the expert. A key is pinned from
-the moment its fetch is issued until `wait` hands it over, so its slot cannot be
-reused mid-copy. A read that fails on the reader thread raises in `wait`, on the main
-thread, and frees its slot. Every byte that enters the pool is counted here.
+Background readers fill pool slots while the main thread computes: `store.read_depth`
+of them, so that a disk has several reads in flight (its queue is never left empty
+between reads); one for host memory. Fetches start in the order they are issued. Each
+reader converts or stages in its own tensor (`store.reader_tensor`). On CUDA the
+host-to-device copy runs on a side stream and an event orders it before the compute
+that uses the expert. A key is pinned from the moment its fetch is issued until `wait`
+hands it over, so its slot cannot be reused mid-copy. A read that fails on a reader
+thread raises in `wait`, on the main thread, and frees its slot. All bookkeeping (the
+slot table, pins, counters) stays on the main thread; the readers only fill slots.
+Every byte that enters the pool is counted here.
 """
 
 from __future__ import annotations
@@ -24,14 +28,11 @@ class TransferEngine:
     def __init__(self, store: ExpertStore, pool: DevicePool, device: torch.device):
         self.store, self.pool, self.device = store, pool, device
         self.cuda = device.type == "cuda"
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specmoe-transfer")
+        self.executor = ThreadPoolExecutor(max_workers=store.read_depth, thread_name_prefix="specmoe-transfer")
         self.inflight: dict[Key, Future] = {}
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.staging = None
-        if self.cuda and store.host_tensor(store.keys[0]) is None:  # disk -> pinned staging -> device
-            self.staging = torch.empty(store.numel, dtype=store.dtype).pin_memory()
         # a slot in another layout than the stored one (int4 for the CPU kernel): read, then convert
-        self.converting = torch.empty(store.numel, dtype=store.dtype) if pool.format.converts else None
+        self.converts = pool.format.converts
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -68,25 +69,34 @@ class TransferEngine:
         return True
 
     def _load(self, key: Key, dest: torch.Tensor, after=None):
+        """On a reader thread: fill `dest`, the key's slot."""
         if not self.cuda:
-            if self.converting is None:
+            if not self.converts:
                 self.store.read_into(key, dest)
             else:  # on this reader thread, off the compute thread
-                self.store.read_into(key, self.converting)
-                self.pool.format.prepare(self.converting, dest)
+                converting = self.store.reader_tensor()
+                self.store.read_into(key, converting)
+                self.pool.format.prepare(converting, dest)
             return None
-        source = self.store.host_tensor(key)
-        if source is None:
-            self.store.read_into(key, self.staging)
-            source = self.staging
+        source, staged = self.host_source(key)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after)
             dest.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        if source is self.staging:
-            event.synchronize()  # the staging buffer is reused by the next read
+        if staged:
+            event.synchronize()  # this reader's staging tensor is reused by its next read
         return event
+
+    def host_source(self, key: Key) -> tuple[torch.Tensor, bool]:
+        """The host tensor a CUDA copy of `key` comes from, and whether it is this reader's
+        staging tensor (read from disk into it) rather than the host tier's own buffer."""
+        source = self.store.host_tensor(key)
+        if source is not None:
+            return source, False
+        staging = self.store.reader_tensor()
+        self.store.read_into(key, staging)
+        return staging, True
 
     def wait(self, key: Key) -> None:
         """Block until `key` is usable by compute; release the fetch's pin."""

@@ -51,6 +51,7 @@ class OffloadPolicy(Policy):
 
     def stats(self) -> dict:
         counters = self.blocks.counters
+        reads = self.store.meter.totals()
         return {
             "transfer_bytes": self.transfer.transfer_bytes,
             "experts_fetched": self.transfer.fetches,
@@ -61,11 +62,29 @@ class OffloadPolicy(Policy):
             # whether disk reads bypass the page cache (None: the host tier has no disk)
             "offload_direct": getattr(self.store, "direct", None),
             "offload_direct_reason": getattr(self.store, "direct_reason", None),
-            "offload_read_s": self.store.read_s,
+            # wall time during which at least one read was in flight (reads overlap)
+            "offload_read_s": reads.busy_s,
+            **self._disk_read_stats(reads),
             "host_expert_tokens": counters.host_tokens,
             "activation_bytes": counters.activation_bytes,
             "fused_kernels": self.fused_kernels(),
             **self._stack_bytes(),
+        }
+
+    def _disk_read_stats(self, reads) -> dict:
+        """The rate the disk tier achieved: bytes over the time a read was in flight, over the
+        run and within verify passes (SpecMoE's; None elsewhere, and on other tiers)."""
+        disk = self.store.tier == "disk"
+        verified = disk and reads.window_busy_s > 0
+        return {
+            "disk_read_depth": self.store.read_depth if disk else None,
+            "disk_read_bytes": reads.bytes if disk else None,
+            "disk_read_busy_s": reads.busy_s if disk else None,
+            "disk_read_rate": reads.rate if disk else None,
+            "verify_disk_read_bytes": reads.window_bytes if verified else None,
+            "verify_disk_read_busy_s": reads.window_busy_s if verified else None,
+            "verify_disk_read_rate": reads.window_rate if verified else None,
+            "host_scratch_bytes": self.store.host_scratch_bytes(),
         }
 
     def _stack_bytes(self) -> dict:

@@ -189,6 +189,7 @@ class SpecMoEPolicy(OffloadPolicy):
 
     def begin_pass(self, kind: str):
         self.pass_kind = kind
+        self.store.meter.window(kind == "verify")  # the disk's rate during verify passes
         if kind == "draft":
             self.predicted = {}
             self._fetches_before_draft = self.transfer.fetches
@@ -200,6 +201,7 @@ class SpecMoEPolicy(OffloadPolicy):
         return self
 
     def end_pass(self, kind: str) -> None:
+        self.store.meter.window(False)  # the refresh below is not verification's
         if kind == "prefill" and self.memory is not None:
             self.refresh(reallocate=True)  # new requests' routing: the copies chosen again
         elif kind == "prefill" and not self.draft:
