@@ -120,6 +120,46 @@ def test_a_limit_below_the_fixed_cost_names_the_smallest_that_works(pinned, tmp_
             max_batch_size=4, max_model_len=64)
 
 
+def test_the_rows_of_a_pass_bound_gamma_and_never_a_context():
+    from specmoe.engine.host_memory import gamma_cap, max_pass_rows, step_rows
+
+    assert gamma_cap(None, 64) == 32 and gamma_cap(250, 16) == 14 and gamma_cap(250, 64) == 2
+    assert gamma_cap(100, 64) == 0  # no room for a draft: plain decoding
+    options = EngineConfig(policy="specmoe", max_batch_size=16)
+    assert step_rows(options, 80, 4096, max_rows=250) == (250, 240)  # prefill chunks of 250; verify 16 x 15
+    assert step_rows(options, 80, 4096) == (16 * 80, 16 * 33)  # unbounded: every prompt in one pass
+
+
+def test_a_memory_limit_bounds_every_pass_rows(pinned, tmp_path, monkeypatch):
+    """Measured at the forward pass itself: with activations allowed a small share of the
+    limit, no prefill chunk and no verification computes more rows than the plan's bound,
+    and the tokens are resident's."""
+    from specmoe import LLM, SamplingParams
+    from specmoe.engine.engine import Engine
+
+    monkeypatch.setattr("specmoe.engine.host_memory.ACTIVATION_SHARE", 0.0005)  # rows: the floor, a whole context
+    rows = []
+    real = Engine.forward_logits
+
+    def counted(self, experts, slots, token_lists, *args, **kwargs):
+        rows.append(sum(len(t) for t in token_lists))
+        return real(self, experts, slots, token_lists, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "forward_logits", counted)
+    texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:6]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    shape = dict(max_batch_size=6, max_model_len=48)
+    llm = LLM(model=None, device="cpu", policy="specmoe", memory_limit="900MiB", offload_dir=str(tmp_path), **shape)
+    bound = llm.engine.max_pass_rows
+    assert bound == 48 and llm.engine.decoder.tuner.max_gamma == 48 // 6 - 1
+    got = [o.token_ids for o in llm.generate([t[:60] for t in texts], params)]
+    llm.close()
+    assert rows and max(rows) <= bound and sum(r > 6 for r in rows) >= 2  # chunked prefill, and drafts verified
+    ref = LLM(model=None, device="cpu", policy="resident", **shape)
+    assert got == [o.token_ids for o in ref.generate([t[:60] for t in texts], params)]
+    ref.close()
+
+
 # --- the kernel's count -------------------------------------------------------------------------
 
 # The demo model widened 4x (experts 3 MiB as stored, 384 MiB in all, 13 MiB beside them), the

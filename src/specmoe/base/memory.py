@@ -124,6 +124,7 @@ class LimitPlan:
     scratch: int
     tier: int
     slack_share: float = LIMIT_SLACK_SHARE
+    max_rows: int | None = None  # the most rows one pass computes (prefill chunks, B x (gamma + 1))
 
     @property
     def overhead(self) -> int:
@@ -137,10 +138,11 @@ class LimitPlan:
     def limit_for(self, budget: int) -> int:
         """The smallest limit whose budget is at least `budget` bytes."""
         need = self.overhead + math.ceil(budget * (1 + self.slack_share))
-        while LimitPlan(need, self.fixed, self.scratch, self.tier, self.slack_share).budget < budget:
+        while LimitPlan(need, self.fixed, self.scratch, self.tier, self.slack_share, self.max_rows).budget < budget:
             need += 1  # int() of the division may round one byte short
         return need
 
     def as_dict(self) -> dict:
         return {"memory_limit": self.limit, "fixed_bytes": self.fixed, "step_scratch_bytes": self.scratch,
-                "tier_host_bytes": self.tier, "slack_share": self.slack_share, "device_budget": self.budget}
+                "tier_host_bytes": self.tier, "slack_share": self.slack_share, "device_budget": self.budget,
+                "max_pass_rows": self.max_rows}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..base.checkpoint import Checkpoint
 from ..base.gguf_checkpoint import load_tokenizer, open_checkpoint
 from ..base.config import EngineConfig, expert_share
-from ..base.errors import SpecMoEError
+from ..base.errors import SpecMoEError, warn
 from ..base.memory import release_free_memory
 from ..experts.budget import DeviceBudget
 from ..experts.formats import checkpoint_expert_dtype, expert_format
@@ -31,7 +31,7 @@ from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
-from .host_memory import check_limit, check_tier, measure_fixed, plan_limit
+from .host_memory import check_limit, check_tier, gamma_cap, measure_fixed, plan_limit
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token, sample_tokens
 from .scheduler import Scheduler
@@ -185,9 +185,22 @@ class Engine:
         # router picks per expert, counted only while the server's live view is watched
         self.expert_load: ExpertLoad | None = None
         # gamma follows measured acceptance and pass times unless fixed (under policy auto the plan gives the first)
-        self.decoder = SpeculativeDecoder(self, options.gamma, tune=tune_gamma) \
+        self.decoder = SpeculativeDecoder(self, options.gamma, tune=tune_gamma, max_gamma=self._gamma_cap(options)) \
             if self.policy.speculative else None
         release_free_memory()  # what building the weights, copies and tier freed, back to the system
+
+    @property
+    def max_pass_rows(self) -> int | None:
+        """The most rows one pass computes (None: no bound): a memory limit bounds activations."""
+        return self.memory_plan.max_rows if self.memory_plan else None
+
+    def _gamma_cap(self, options: EngineConfig) -> int:
+        """The largest gamma whose verification pass fits `max_pass_rows` at the full batch."""
+        cap = gamma_cap(self.max_pass_rows, options.max_batch_size)
+        if not options.adapt_gamma and options.gamma > cap:
+            warn(f"--gamma {options.gamma} verifies {options.max_batch_size * (options.gamma + 1)} rows a step, more "
+                 f"than --memory-limit leaves room for ({self.max_pass_rows}): drafting {cap} tokens a step")
+        return cap
 
     def use_threads(self) -> None:
         """Compute on this engine's threads again (torch's pool and the block kernels' are per
@@ -305,11 +318,16 @@ class Engine:
             self._finalize_text(seq)
         return done
 
+    @property
+    def _prefill_rows(self) -> int:
+        """Prompt tokens per prefill pass (a longer prompt alone)."""
+        return MAX_PREFILL_TOKENS if self.max_pass_rows is None else min(MAX_PREFILL_TOKENS, self.max_pass_rows)
+
     def _prefill(self, seqs: list[Sequence]) -> None:
         chunks: list[list[Sequence]] = [[]]
         size = lambda s: len(s.prompt_ids) + len(s.source_ids)  # noqa: E731
         for seq in seqs:
-            if chunks[-1] and sum(map(size, chunks[-1])) + size(seq) > MAX_PREFILL_TOKENS:
+            if chunks[-1] and sum(map(size, chunks[-1])) + size(seq) > self._prefill_rows:
                 chunks.append([])
             chunks[-1].append(seq)
         with self.pass_scope("prefill") as experts:

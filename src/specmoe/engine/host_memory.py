@@ -21,6 +21,11 @@ from ..experts import store as expert_store
 from ..experts.expert_file import ALIGN
 
 SPECULATIVE = ("specmoe", "auto")
+# The most of a limit one pass's activations may take. Past a few hundred rows a pass gains
+# little (verification at B x (gamma + 1) rows is compute-bound by then, and a prefill in
+# chunks costs only the chunks' expert reads), while every 0.13 GiB of activations is four
+# experts the pool does not hold. Within it: the rows of `max_pass_rows`.
+ACTIVATION_SHARE = 0.10
 
 
 def measure_fixed(device) -> int:
@@ -37,17 +42,34 @@ def measure_fixed(device) -> int:
     return fixed
 
 
-def step_rows(options: EngineConfig, max_model_len: int, prefill_tokens: int) -> tuple[int, int]:
+def max_pass_rows(limit: int, config: ModelConfig, options: EngineConfig, max_model_len: int, elem: int) -> int:
+    """The most rows (tokens) one pass computes under `limit`: its activations within
+    ACTIVATION_SHARE of the limit, but never fewer than a whole context (a prompt is
+    prefilled in one pass) nor a plain decode step of every sequence."""
+    per_row = row_bytes(config, elem) * SCRATCH_MARGIN + config.vocab_size * 4 * 2
+    return max(max_model_len, options.max_batch_size, int(ACTIVATION_SHARE * limit / per_row))
+
+
+def gamma_cap(max_rows: int | None, batch: int) -> int:
+    """The largest gamma whose verification (batch x (gamma + 1) rows) fits `max_rows`."""
+    return MAX_GAMMA if max_rows is None else max(0, min(MAX_GAMMA, max_rows // batch - 1))
+
+
+def step_rows(options: EngineConfig, max_model_len: int, prefill_tokens: int,
+              max_rows: int | None = None) -> tuple[int, int]:
     """(rows of the largest pass, rows of it that produce logits). Verification runs
-    B x (gamma + 1) rows, all with logits; the gamma tuner may go up to MAX_GAMMA. A prefill
-    runs up to `prefill_tokens` rows (its chunk; a longer prompt alone), with logits for each
-    sequence's last only (prompt log-probabilities, which take every prompt row's, are not counted)."""
+    B x (gamma + 1) rows, all with logits; the gamma tuner may go up to MAX_GAMMA, or what
+    `max_rows` allows. A prefill runs up to `prefill_tokens` rows (its chunk, at most
+    `max_rows`; a longer prompt alone), with logits for each sequence's last only (prompt
+    log-probabilities, which take every prompt row's, are not counted)."""
     batch = options.max_batch_size
     gamma = 0
     if options.policy in SPECULATIVE:
         gamma = max(options.gamma, MAX_GAMMA) if options.adapt_gamma or options.policy == "auto" else options.gamma
+        gamma = min(gamma, gamma_cap(max_rows, batch))
     verify = batch * (gamma + 1)
-    prefill = min(batch * max_model_len, max(prefill_tokens, max_model_len))
+    chunk = prefill_tokens if max_rows is None else min(prefill_tokens, max_rows)
+    prefill = min(batch * max_model_len, max(chunk, max_model_len))
     return max(verify, prefill), max(verify, batch)
 
 
@@ -63,11 +85,11 @@ def row_bytes(config: ModelConfig, elem: int) -> int:
 
 
 def step_scratch_bytes(config: ModelConfig, options: EngineConfig, max_model_len: int, elem: int,
-                       prefill_tokens: int) -> int:
+                       prefill_tokens: int, max_rows: int | None = None) -> int:
     """The largest pass's activations, with the measured margin (base/memory.py): its rows'
     widths, and float32 logits over the vocabulary for its rows with logits, twice (the
     sampler's probabilities)."""
-    rows, logit_rows = step_rows(options, max_model_len, prefill_tokens)
+    rows, logit_rows = step_rows(options, max_model_len, prefill_tokens, max_rows)
     need = rows * row_bytes(config, elem) + logit_rows * config.vocab_size * 4 * 2
     return math.ceil(need * SCRATCH_MARGIN)
 
@@ -96,10 +118,12 @@ def plan_limit(options: EngineConfig, config: ModelConfig, *, fixed: int, elem: 
     """The device budget `options.memory_limit` leaves, `fixed` being what the process held
     before loading any weight."""
     experts = len(config.moe_layer_ids) * config.num_experts
+    limit = memory_limit_bytes(options.memory_limit)
+    rows = max_pass_rows(limit, config, options, max_model_len, elem)
     return LimitPlan(
-        limit=memory_limit_bytes(options.memory_limit), fixed=fixed,
-        scratch=step_scratch_bytes(config, options, max_model_len, elem, prefill_tokens),
-        tier=tier_host_bytes(options, stored_bytes, converts, experts),
+        limit=limit, fixed=fixed,
+        scratch=step_scratch_bytes(config, options, max_model_len, elem, prefill_tokens, rows),
+        tier=tier_host_bytes(options, stored_bytes, converts, experts), max_rows=rows,
     )
 
 

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..base.config import MAX_GAMMA
 from .acceptance import TorchCoins, accept_greedy, accept_sampled
 from .gamma import GammaTuner, StepMeasure
 from .sampling import target_probs
@@ -22,11 +23,10 @@ class SpeculativeDecoder:
     """Owns gamma: fixed, or (`tune`) chosen each step by a GammaTuner from measured
     acceptance and pass times, down to 0 (plain decoding) where speculation does not pay."""
 
-    def __init__(self, engine, gamma: int, tune: bool = False):
+    def __init__(self, engine, gamma: int, tune: bool = False, max_gamma: int = MAX_GAMMA):
         self.engine = engine
-        self.gamma = gamma
-        self.first_gamma = gamma
-        self.tuner = GammaTuner(gamma) if tune else None
+        self.gamma = self.first_gamma = min(gamma, max_gamma)  # max_gamma: what a memory limit leaves room for
+        self.tuner = GammaTuner(self.gamma, max_gamma=max_gamma) if tune else None
 
     def draft_lengths(self, seqs, gamma: int) -> list[int]:
         """gamma, or fewer near max_tokens or the end of the context (never wasted)."""
