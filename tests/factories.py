@@ -1013,13 +1013,38 @@ def assert_policy_run_is_exact(stats: dict, sha: str, policy: str) -> None:
 
 
 def watch_draft_reads(engine) -> list:
+    """Every expert the draft used that was read while it ran (there must be none): a load
+    into a pool slot issued while the engine has a draft pass open, which the draft then
+    waited for (transfer.wait, as any use of a fetched expert must) before the pass closed.
+    SpecMoE starts verification's reads during the draft (`watch_reads_while_drafting`
+    sees them); the draft never waits for them: it moves no expert bytes for itself."""
+    issued = watch_reads_while_drafting(engine)
+    used, transfer = [], engine.policy.transfer
+    original_wait = transfer.wait
+
+    def wait(key):
+        if key in transfer.inflight and key in issued.this_draft and "draft" in issued.open_kinds:
+            used.append(key)
+        return original_wait(key)
+
+    transfer.wait = wait
+    return used
+
+
+class _Reads(list):
+    open_kinds: list  # the passes open now
+    this_draft: set  # keys issued while the last draft pass was open (recorded on the main thread)
+
+
+def watch_reads_while_drafting(engine) -> list:
     """Every expert copied into a device pool slot for a fetch issued while the engine has
-    a draft pass open (there must be none). Watched from outside the policy: the pass
-    scope the engine opens and the transfer engine's load of a key into a slot (what
-    copies into the pool on either tier and either device: host tensor or disk read,
-    CPU or CUDA), not the policy's own counters. A load issued on the main thread and run
-    on the reader thread is judged by the passes open when it was issued."""
-    reads, open_kinds = [], []
+    a draft pass open. Watched from outside the policy: the pass scope the engine opens
+    and the transfer engine's load of a key into a slot (what copies into the pool on
+    either tier and either device: host tensor or disk read, CPU or CUDA), not the
+    policy's own counters. A load issued on the main thread and run on a reader thread is
+    judged by the passes open when it was issued."""
+    reads, open_kinds = _Reads(), []
+    reads.open_kinds, reads.this_draft = open_kinds, set()
     transfer = engine.policy.transfer
     slots = transfer.pool.buffers.untyped_storage().data_ptr()
     original_scope, original_load, original_submit = engine.pass_scope, transfer._load, transfer.executor.submit
@@ -1027,6 +1052,8 @@ def watch_draft_reads(engine) -> list:
     @contextmanager
     def scope(kind):
         open_kinds.append(kind)
+        if kind == "draft":
+            reads.this_draft = set()
         try:
             with original_scope(kind) as experts:
                 yield experts
@@ -1042,6 +1069,8 @@ def watch_draft_reads(engine) -> list:
     def submit(fn, *args, **kwargs):
         if fn is load:
             kwargs["issued_while_drafting"] = "draft" in open_kinds
+            if "draft" in open_kinds:
+                reads.this_draft.add(args[0])
         return original_submit(fn, *args, **kwargs)
 
     engine.pass_scope, transfer._load, transfer.executor.submit = scope, load, submit

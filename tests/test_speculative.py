@@ -6,7 +6,14 @@ from collections import Counter
 
 import pytest
 import torch
-from factories import BOOKKEEPING_ALLOWANCE, expert_share_budget, random_prompts, watch_device_bytes, watch_draft_reads
+from factories import (
+    BOOKKEEPING_ALLOWANCE,
+    expert_share_budget,
+    random_prompts,
+    watch_device_bytes,
+    watch_draft_reads,
+    watch_reads_while_drafting,
+)
 
 from specmoe import LLM, SamplingParams, SpecMoEError
 from specmoe.engine import speculative
@@ -100,6 +107,36 @@ def test_draft_steps_move_zero_expert_bytes(reference, tmp_path):
     llm.close()
 
 
+def watch_draft_picks(policy) -> tuple[set, list]:
+    """Every (block, expert) the draft's own router picked, seen from its backend's input;
+    and every fetch a draft block started for an expert of the draft set it ran with."""
+    picks, own, original = set(), [], policy.drafter.run_moe
+
+    def run_moe(layer, x, routing):
+        picks.update((layer, e) for e in routing.ids.unique().tolist())
+        held, before = {(layer, e) for e in policy.draft.get(layer, ())}, set(policy.transfer.inflight)
+        out = original(layer, x, routing)
+        own.extend(held & (set(policy.transfer.inflight) - before))
+        return out
+
+    policy.drafter.run_moe = run_moe
+    return picks, own
+
+
+def test_verifications_reads_start_while_the_draft_runs_and_only_for_its_picks(reference, tmp_path):
+    """Reads issued during draft passes are verification's: experts the draft's routing
+    picked, never a draft expert (pinned, resident), never waited for by the draft; and
+    the output stays resident's."""
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path, gamma=4)
+    issued, used = watch_reads_while_drafting(llm.engine), watch_draft_reads(llm.engine)
+    picks, own = watch_draft_picks(llm.engine.policy)
+    llm.generate(prompts, GREEDY)
+    assert llm.last_stats["token_ids_sha256"] == sha
+    assert issued and set(issued) <= picks and used == [] and own == []
+    llm.close()
+
+
 @pytest.mark.parametrize("tier", ["disk", "host"])
 def test_draft_watcher_sees_a_draft_that_fetches(reference, tmp_path, monkeypatch, tier):
     """The watcher of test_draft_steps_move_zero_expert_bytes can fail: a drafter made to
@@ -120,7 +157,7 @@ def test_draft_watcher_sees_a_draft_that_fetches(reference, tmp_path, monkeypatc
     draft_reads = watch_draft_reads(llm.engine)
     with pytest.raises(RuntimeError, match="a draft pass fetched experts"):  # the policy's own check agrees
         llm.generate(prompts[:2], GREEDY)
-    assert fetched and draft_reads == fetched
+    assert fetched and draft_reads == fetched  # verification's reads during the draft are not among them
     llm.close()
 
 

@@ -6,7 +6,8 @@ Per block, a pick is computed with
   then routes exactly like the full model; under --draft-memory, of those chosen);
 - else, with `draft_compute="host"`, the expert itself on the host, where it lives;
 - else the substitute the policy's map names (nearest held by affinity, or random).
-Nothing here fetches: a draft pass moves no expert bytes.
+Nothing here fetches for the draft: it moves no expert bytes for itself. What its routing
+picks starts reading for the verify pass to come (the policy's `prefetch_for_verify`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Drafter:
         if p.memory is not None:
             p.memory.count_drafted(layer, counts)
         if p.runtime.options.draft_compute == "host":
+            # not here: run_block would wait for such a read and compute from the pool
             return p.blocks.run_block(layer, x, picked, on_host=set(picked.experts) - set(p.draft[layer]))
+        p.prefetch_for_verify(layer, counts)  # their reads start now, while the draft runs on
         resident = set(p.draft[layer])
         if layer in p.substitute:  # what the draft does not hold becomes the nearest it does
             picked = group_by_expert(routing.with_ids(p.substitute[layer][routing.ids]), self.num_experts)

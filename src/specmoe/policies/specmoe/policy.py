@@ -6,7 +6,10 @@ draft.py): N full-precision experts pinned in the device pool, with picks outsid
 substituted (affinity or random), computed on the host (`draft_compute="host"`), or taken
 from quantized copies of every expert. No expert bytes move while drafting. The verify
 pass is an ordinary offloaded pass over B x (gamma + 1) positions whose fetches are
-prefetched in the order the draft's own router picks predicted. After it, the N experts
+prefetched in the order the draft's own router picks predicted: the reads start while the
+draft still runs, as soon as its routing at a block is known (`prefetch_for_verify`),
+into slots no pinned expert holds (the draft experts are pinned), and what did not fit
+is queued when verification begins. After it, the N experts
 each block selected most often become the next draft set (temporal hotness); they were
 just fetched, so the refresh normally moves nothing.
 """
@@ -193,6 +196,7 @@ class SpecMoEPolicy(OffloadPolicy):
         if kind == "draft":
             self.predicted = {}
             self._fetches_before_draft = self.transfer.fetches
+            self._draft_prefetches = 0
             return self.drafter
         if kind == "verify":
             self._prefetch_predicted()
@@ -206,12 +210,34 @@ class SpecMoEPolicy(OffloadPolicy):
             self.refresh(reallocate=True)  # new requests' routing: the copies chosen again
         elif kind == "prefill" and not self.draft:
             self.refresh()  # the first draft set, from the prefill's routing
-        if kind == "draft" and self.transfer.fetches != self._fetches_before_draft:
-            raise RuntimeError("internal: a draft pass fetched experts; drafting must move no expert bytes")
+        if kind == "draft" and self.transfer.fetches - self._fetches_before_draft != self._draft_prefetches:
+            raise RuntimeError("internal: a draft pass fetched experts for itself; drafting must move no expert "
+                               "bytes (only verification's prefetches may start during it)")
         if kind == "verify":
             self.predicted = {}
             if self.runtime.options.draft_set == "temporal-hot" and not self._holds_copies():
                 self.refresh()
+
+    def prefetch_for_verify(self, layer: int, counts: dict[int, int]) -> None:
+        """During a draft pass, once its routing at `layer` is known: start reading the
+        experts it picked that verification will need, the most picked first. Only into
+        slots no pinned expert holds (the draft's own are pinned), leaving one a block can
+        evict, as any prefetch; predicted experts already resident become the most
+        recently used, so these reads evict them last."""
+        table, spare = self.pool.table, None
+        for e in sorted(counts, key=counts.get, reverse=True):
+            key = (layer, e)
+            if key in table:
+                table.touch(key)
+                continue
+            if self.transfer.has(key):
+                continue
+            if spare is None:  # counted once, when the first read is wanted (O(slots))
+                spare = self.blocks.spare_slots()
+            if spare < 2 or not self.transfer.fetch(key):
+                return
+            spare -= 1
+            self._draft_prefetches += 1
 
     def _prefetch_predicted(self) -> None:
         """Prefetch what the draft's own (unsubstituted) picks predict, block by block, the
