@@ -3,12 +3,14 @@
 import argparse
 import json
 import math
+import threading
 
 import pytest
 
 from specmoe.autotune import calibrate, probe
 from specmoe.costmodel.cost_model import Scenario, pass_work
 from specmoe.costmodel.hardware import load_profile
+from specmoe.experts.store import DISK_READ_DEPTH
 from specmoe.tools import calibrate as calibrate_command
 
 
@@ -39,7 +41,10 @@ def test_calibrate_saves_a_loadable_profile(tmp_path, capsys, monkeypatch):
     m = doc["measurements"]
     assert m["disk_read_bw"] > 0 and m["host_mem_bw"] > 0 and m["host_matmul_flops_fp32"] > 0
     assert m["disk_file_bytes"] == 16 << 20
+    assert m["disk_sequential_bw"] == m["disk_read_bw"] and m["disk_random_bw"] > 0
+    assert m["disk_random_read_bytes"] == 8 << 20 and m["disk_read_depth"] == DISK_READ_DEPTH
     p = load_profile("testbox")
+    assert (p.disk_sequential_bw, p.disk_random_bw) == (m["disk_sequential_bw"], m["disk_random_bw"])
     assert p.slow_tier_read_bw > 0 and p.to_dict() == doc["profile"]
     # the engine probe ran on the demo model and its fit is the profile's compute side: the
     # saved profile's pass times against the probe's timed resident passes give the error
@@ -56,6 +61,35 @@ def test_calibrate_saves_a_loadable_profile(tmp_path, capsys, monkeypatch):
     # the disk test file is removed; the probe's expert file is kept in --dir, and nowhere else
     assert {p.name.split("-")[0] for p in (tmp_path / "disk").iterdir()} == {"experts"}
     assert not list((tmp_path / "cache").rglob("experts-*"))
+
+
+def test_calibrate_prints_the_disks_sequential_and_random_rates(tmp_path, capsys):
+    rc, out, err = run(["--dir", str(tmp_path / "disk"), "--name", "plain", "--size", "16MiB", "--no-engine-probe"],
+                       capsys)
+    assert rc == 0, err
+    line = out.splitlines()[0]
+    assert " sequential (" in line and f"8 MiB reads at random offsets, {DISK_READ_DEPTH} in flight" in line
+    assert load_profile("plain").disk_random_bw > 0
+
+
+def test_the_random_rate_reads_at_the_disk_tiers_depth(tmp_path, monkeypatch):
+    """Its reads really are in flight together: each waits at a barrier that opens only
+    when DISK_READ_DEPTH of them are inside it."""
+    from specmoe.autotune import measure
+
+    barrier, real_preadv = threading.Barrier(DISK_READ_DEPTH, timeout=10), measure.os.preadv
+
+    def preadv(fd, buffers, offset):
+        barrier.wait()
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(measure.os, "preadv", preadv)
+    monkeypatch.setattr(measure, "_read_direct", lambda *a: 1.0)  # only the random reads meet the barrier
+    monkeypatch.setattr(measure, "_disk_latency", lambda *a: 1e-4)
+    monkeypatch.setattr(measure, "_read_overlap", lambda *a: 1.0)
+    monkeypatch.setattr(measure, "RANDOM_READ_BYTES", 1 << 20)
+    m = measure.measure_disk(tmp_path / "d", 4 << 20)
+    assert m["disk_random_bw"] > 0 and m["disk_read_depth"] == DISK_READ_DEPTH
 
 
 def test_calibrate_refuses_a_builtin_name(capsys):

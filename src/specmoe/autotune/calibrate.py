@@ -35,6 +35,7 @@ def build_profile(name: str, m: dict, cuda: bool) -> HardwareProfile:
     bandwidth stays in the measurements; a disk-tier profile can be derived from it)."""
     host_flops = max(m["host_matmul_flops_bf16"], m["host_matmul_flops_fp32"])
     common = dict(name=name, host_mem_bw=m["host_mem_bw"], host_matmul_flops=host_flops,
+                  disk_sequential_bw=m.get("disk_sequential_bw"), disk_random_bw=m.get("disk_random_bw"),
                   source=f"measured by specmoe calibrate on {platform.node()} ({time.strftime('%Y-%m-%d')})")
     if cuda:
         return HardwareProfile(

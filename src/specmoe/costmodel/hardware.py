@@ -24,7 +24,8 @@ SLOW_TIERS = ("host", "disk")
 # Keys a profile file may carry besides the dataclass fields (kept, not interpreted).
 _METADATA_KEYS = {"name", "measurements", "_comment"}
 _MAY_BE_ZERO = {"sequence_overhead_s"}
-_OPTIONAL = {"h2d_pageable_bw", "transfer_overlap"} | _MAY_BE_ZERO
+_MAY_BE_NONE = {"h2d_pageable_bw", "disk_sequential_bw", "disk_random_bw"}
+_OPTIONAL = _MAY_BE_NONE | {"transfer_overlap"} | _MAY_BE_ZERO
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ class HardwareProfile:
     # their own engines (PCIe DMA); below 1 where the CPU that computes also moves the
     # bytes (experts read from disk on a CPU-only machine). Measured by `specmoe calibrate`.
     transfer_overlap: float = 1.0
+    # The disk's read rates as `specmoe calibrate` measured them (None: not measured):
+    # large reads in file order, and expert-sized reads at random offsets with the disk
+    # tier's reads in flight. Reported beside the rate a run's disk tier achieved.
+    disk_sequential_bw: float | None = None
+    disk_random_bw: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -64,7 +70,7 @@ class HardwareProfile:
             if f.name in ("name", "description", "source", "slow_tier"):
                 continue
             v = getattr(self, f.name)
-            if v is None and f.name == "h2d_pageable_bw":
+            if v is None and f.name in _MAY_BE_NONE:
                 continue
             if f.name in _MAY_BE_ZERO and isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0:
                 continue

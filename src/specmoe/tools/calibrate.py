@@ -60,8 +60,10 @@ def run_calibrate(args) -> int:
         print(json.dumps({"profile": profile.to_dict(), "measurements": m, "path": str(path),
                           "fused_kernels": kernels}, indent=2))
     else:
-        print(f"disk read {format_rate(m['disk_read_bw'])} ({m['disk_method']}, "
-              f"{m['disk_best_chunk'] >> 20} MiB reads), host memory {format_rate(m['host_mem_bw'])}, "
+        print(f"disk read {format_rate(m['disk_sequential_bw'])} sequential ({m['disk_method']}, "
+              f"{m['disk_best_chunk'] >> 20} MiB reads in order), {format_rate(m['disk_random_bw'])} random "
+              f"({m['disk_random_read_bytes'] >> 20} MiB reads at random offsets, {m['disk_read_depth']} in flight)")
+        print(f"host memory {format_rate(m['host_mem_bw'])}, "
               f"CPU matmul fp32 {m['host_matmul_flops_fp32'] / 1e9:.0f} GFLOP/s, "
               f"bf16 {m['host_matmul_flops_bf16'] / 1e9:.0f} GFLOP/s")
         if "h2d_pinned_bw" in m:
