@@ -38,7 +38,7 @@ from .read_meter import ReadMeter
 
 # Reads the disk tier keeps in flight. Measured on this project's 2-core machine (a virtio
 # disk; 2, 8 and 24 MiB O_DIRECT reads at random offsets, each depth on a region no earlier
-# run read): depth 2 read 1.1-1.9x faster than depth 1, depth 4 no faster than 2, depth 8
+# run read): depth 2 read 1.2-2x faster than depth 1, depth 4 no faster than 2, depth 8
 # slower (docs/MEMORY.md has the table). Each reader also copies its expert into the pool
 # on a CPU that computes, so more threads than that only contend.
 DISK_READ_DEPTH = 2
