@@ -26,7 +26,7 @@ from ..costmodel.hardware import load_profile, profiles_dir, save_profile
 from ..costmodel.planner import candidates, plan
 from ..costmodel.routing import DEFAULT_ACCEPTANCE
 from ..costmodel.shapes import as_run, shape_of
-from ..experts.quant import BITS, draft_copy_bytes, draft_modes
+from ..experts.quant import auto_modes, draft_copy_bytes, draft_modes
 from ..policies.caching import CachingPolicy
 from ..policies.specmoe import WORKING_SLOTS
 from ..policies.specmoe.policy import draft_table_bytes
@@ -185,7 +185,7 @@ def _split_speeds(runtime) -> dict[str, float]:
 def _fused_modes(runtime) -> tuple[str, ...]:
     """The copy formats this device multiplies with a fused kernel (no dequantized scratch)."""
     c = runtime.config
-    return tuple(mode for mode in draft_modes(c.expert_quant, tuple(BITS))
+    return tuple(mode for mode in auto_modes(c.expert_quant)
                  if not draft_copy_bytes(c.expert, mode, runtime.device, runtime.dtype, runtime.computes_as_stored)[1])
 
 

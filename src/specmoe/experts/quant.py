@@ -69,12 +69,28 @@ SCALE_DTYPE = torch.float16
 FORMAT_VERSION = 2  # part of the cache file name: bump when the layout changes (2: int8 per row)
 
 
+# What a copy's scales add to its bits per weight: a 16-bit scale per group of 32, as the
+# block layouts hold them (an int4 copy is a Q4_0 block, 4.5 bits a weight).
+SCALE_BITS = 0.5
+
+
 def draft_modes(expert_quant, modes=("int8", "int4")) -> tuple[str, ...]:
     """The copies of `modes` a draft may take (default: what `--draft-quant auto` tries),
-    most precise first: those with fewer bits than the experts themselves (an int8 copy
-    of int8 experts would save nothing)."""
+    most precise first: those holding fewer bits per weight, scales counted, than the experts
+    themselves. An int8 copy of int8 experts would save nothing, nor an int4 copy (4.5 bits a
+    weight) of Q4_K experts (4.5): on a Q4_K_M file the draft copies held as many bytes as
+    the experts, and took the pool's room (at a 1.6 GB limit, 20 copies beside 4 slots)."""
     bits = expert_quant.w_in.bits if expert_quant is not None else 16
-    return tuple(mode for mode in modes if BITS[mode] < bits)
+    return tuple(mode for mode in modes if BITS[mode] + SCALE_BITS < bits)
+
+
+def auto_modes(expert_quant) -> tuple[str, ...]:
+    """The copies `--draft-quant auto` weighs, most precise first: on full-precision experts
+    every mode narrower than them; on quantized ones (GGUF, w8a16) int8 and int4 only. The
+    int3 and int2 copies of the 4 GB Q4_K_M file's experts erred 23 % and 41 % (relative,
+    per block), and building them took minutes and 4 GB of disk on a first run, whose
+    float32 temporaries a run under --memory-limit had no room for."""
+    return draft_modes(expert_quant, tuple(BITS) if expert_quant is None else ("int8", "int4"))
 
 
 def check_mode(mode: str) -> None:

@@ -29,7 +29,7 @@ from ...base.config import budget_share
 from ...base.errors import SpecMoEError
 from ...base.units import format_bytes, parse_size
 from ...experts.draft_copies import ExpertCopies, load_copies
-from ...experts.quant import BITS, draft_copy_bytes, draft_modes
+from ...experts.quant import auto_modes, draft_copy_bytes
 from .allocation import FULL, Allocation, Options, allocate, choose_full, pick_shares
 from .draft_quality import (
     RESIDUAL_SHARE,
@@ -42,10 +42,10 @@ from .draft_quality import (
 )
 
 def draft_ways(draft_quant: str, expert_quant) -> tuple[str, ...]:
-    """How experts may be held: auto, every way (copies with fewer bits than the experts
-    themselves); none, the paper's full-precision draft experts; a mode, that mode alone."""
+    """How experts may be held: auto, every way it weighs (quant.auto_modes); none, the
+    paper's full-precision draft experts; a mode, that mode alone."""
     if draft_quant == "auto":
-        return (FULL, *draft_modes(expert_quant, tuple(BITS)))
+        return (FULL, *auto_modes(expert_quant))
     if draft_quant == "none":
         return (FULL,)
     return (draft_quant,)
