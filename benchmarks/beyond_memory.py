@@ -181,6 +181,21 @@ def prepare_specmoe(model: Path, offload_dir: Path, threads: int) -> list[Path]:
     return sorted(offload_dir.glob("experts-*.bin"))
 
 
+def device_rates(path: Path, size: int = 1 << 30) -> dict:
+    """The disk's read rates on specmoe's own expert file, page cache bypassed, as
+    `specmoe calibrate` measures them: large reads in file order, and expert-sized reads at
+    shuffled offsets with the disk tier's reads in flight."""
+    from specmoe.autotune.measure import _read_direct, _read_random
+    from specmoe.experts.store import DISK_READ_DEPTH
+
+    chunk = 16 << 20
+    size = min(size, path.stat().st_size) // chunk * chunk
+    evict([path])
+    return {"sequential": size / _read_direct(path, size, chunk),
+            "random": size / _read_random(path, size, chunk, DISK_READ_DEPTH, direct=True),
+            "bytes": size, "chunk": chunk, "depth": DISK_READ_DEPTH}
+
+
 def summarize(records: list[dict]) -> list[dict]:
     """Per (cap, B): each engine's medians, specmoe ÷ llama.cpp round by round, the peaks."""
     from specmoe.engine.stats import token_ids_sha256
@@ -244,6 +259,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     offload_dir = workdir / "offload"
     files = [model, *prepare_specmoe(model, offload_dir, args.threads)]
+    rates = device_rates(files[-1])
     size = model.stat().st_size
     prompts = prompt_ids(model, max(max(batches), 2), args.prompt_tokens)
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + 8
@@ -267,7 +283,7 @@ def main(argv=None) -> int:
 
     doc = {"machine": machine_info("cpu"), "file": model.name, "file_bytes": size, "caps": caps,
            "batch_sizes": batches, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
-           "policy": args.policy, "records": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
+           "policy": args.policy, "device_read_rates": rates, "records": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
            "summary": summarize(records)}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
