@@ -169,14 +169,16 @@ def prompt_ids(model: Path, n: int, length: int) -> list[list[int]]:
     return [tokenizer.encode(json.loads(line)["prompt"])[:length] for line in lines if line.strip()][:n]
 
 
-def prepare_specmoe(model: Path, offload_dir: Path, threads: int) -> list[Path]:
-    """Build specmoe's disk-tier expert file once, outside the caps and the timing (a first
-    run's one-time work), and return it with the other files each run must find cold."""
+def prepare_specmoe(model: Path, offload_dir: Path, threads: int, policy: str, limit: int) -> list[Path]:
+    """A first run's one-time work, done once outside the caps and the timing: the disk tier's
+    expert file, and SpecMoE's affinity table and draft measurements (computed in float32 a
+    block at a time: more than the smaller cap holds at this size). Returns the expert file
+    with the other files each run must find cold."""
     from specmoe import LLM, SamplingParams
 
-    llm = LLM(model=str(model), device="cpu", policy="ondemand", offload="disk", offload_dir=str(offload_dir),
-              device_memory="10%", threads=threads, max_batch_size=1, max_model_len=64)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm = LLM(model=str(model), device="cpu", policy=policy, offload="disk", offload_dir=str(offload_dir),
+              memory_limit=limit, threads=threads, max_batch_size=1, max_model_len=64)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     llm.close()
     return sorted(offload_dir.glob("experts-*.bin"))
 
@@ -206,12 +208,13 @@ def summarize(records: list[dict]) -> list[dict]:
         runs = {e: [r for r in records if (r["cap_share"], r["batch_size"], r["engine"]) == (share, batch, e)]
                 for e in ("specmoe", "llama.cpp")}
         ok = {e: [r for r in rs if r["returncode"] == 0] for e, rs in runs.items()}
-        row = {"cap_share": share, "batch_size": batch, "cap_bytes": runs["specmoe"][0]["cap_bytes"]}
+        row = {"cap_share": share, "batch_size": batch,
+               "cap_bytes": next(r["cap_bytes"] for rs in runs.values() for r in rs)}
         for engine, rs in runs.items():
             name = engine.replace(".", "_")
             good = ok[engine]
             row[f"{name}_tok_s"] = [r["decode_tokens_per_s"] for r in good]
-            row[f"{name}_peak_bytes"] = max(r["cgroup_peak_bytes"] for r in rs)
+            row[f"{name}_peak_bytes"] = max((r["cgroup_peak_bytes"] for r in rs), default=None)
             row[f"{name}_oom_kills"] = sum(r["oom_kills"] for r in rs)
             row[f"{name}_failed_runs"] = len(rs) - len(good)
             row[f"{name}_read_bytes_per_token"] = statistics.median(r["read_bytes_per_token"] for r in good) \
@@ -240,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", type=Path, help="a Q4_K_M GGUF file to use instead of building the model")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the widened bfloat16 checkpoint and its GGUF")
     p.add_argument("--caps", default=",".join(map(str, DEFAULT_CAPS)), help="caps as shares of the file's size")
+    p.add_argument("--cap-floor", default="0", help="the least cap, a size (a smoke run's tiny file: 1GiB)")
     p.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCHES)))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both engines (default: 3)")
     p.add_argument("--max-tokens", type=int, default=24)
@@ -253,42 +257,51 @@ def main(argv=None) -> int:
         return 0
     if not (args.model or args.workdir):
         p.error("give --workdir (the model is built there) or --model FILE")
+    from specmoe.base.units import parse_size
+    from specmoe.bench.machine import machine_info
+
     workdir = args.workdir or args.model.parent
     model = args.model or build_model(workdir, args.keep_checkpoint)
     caps = [float(c) for c in args.caps.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     offload_dir = workdir / "offload"
-    files = [model, *prepare_specmoe(model, offload_dir, args.threads)]
-    rates = device_rates(files[-1])
     size = model.stat().st_size
+    floor = parse_size(args.cap_floor, "--cap-floor") if args.cap_floor != "0" else 0
+    cap_of = {share: max(floor, int(share * size)) for share in caps}
+    files = [model, *prepare_specmoe(model, offload_dir, args.threads, args.policy, min(cap_of.values()))]
+    rates = device_rates(files[-1])
     prompts = prompt_ids(model, max(max(batches), 2), args.prompt_tokens)
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + 8
+    doc = {"machine": machine_info("cpu"), "file": model.name, "file_bytes": size, "caps": caps,
+           "batch_sizes": batches, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
+           "policy": args.policy, "device_read_rates": rates}
     records = []
     for share in caps:
         for batch in batches:
             spec = {"model": str(model), "batch": batch, "prompts": prompts[: max(batch, 2)],
                     "max_tokens": args.max_tokens, "threads": args.threads, "policy": args.policy,
-                    "offload_dir": str(offload_dir), "cap": int(share * size), "max_model_len": max_model_len}
+                    "offload_dir": str(offload_dir), "cap": cap_of[share], "max_model_len": max_model_len}
             for rnd in range(args.rounds):
                 order = ["specmoe", "llama.cpp"] if rnd % 2 == 0 else ["llama.cpp", "specmoe"]
                 for engine in order:
-                    record = run_capped({**spec, "engine": engine}, int(share * size), files, workdir)
+                    record = run_capped({**spec, "engine": engine}, cap_of[share], files, workdir)
                     record.update(cap_share=share, round=rnd)
                     records.append(record)
                     print(f"cap {share:.0%} B={batch} round {rnd} {engine}: "
                           f"{record.get('decode_tokens_per_s', 0):.2f} tok/s, peak "
                           f"{record['cgroup_peak_bytes'] / 2**30:.2f} GiB, oom {record['oom_kills']}"
                           + (f", {record['error']}" if "error" in record else ""), file=sys.stderr, flush=True)
-    from specmoe.bench.machine import machine_info
-
-    doc = {"machine": machine_info("cpu"), "file": model.name, "file_bytes": size, "caps": caps,
-           "batch_sizes": batches, "rounds": args.rounds, "max_tokens": args.max_tokens, "threads": args.threads,
-           "policy": args.policy, "device_read_rates": rates, "records": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
-           "summary": summarize(records)}
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc["summary"], indent=1))
+                    write(doc, records, args.json)  # a run cut short keeps what it measured
+    print(json.dumps(write(doc, records, args.json)["summary"], indent=1))
     return 0
+
+
+def write(doc: dict, records: list[dict], path: str | None) -> dict:
+    doc = {**doc, "records": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
+           "summary": summarize(records)}
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=1))
+    return doc
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def speeds(doc: dict) -> str:
 def memory(doc: dict) -> str:
     rows = []
     for r in doc["summary"]:
-        within = r["specmoe_peak_bytes"] <= r["cap_bytes"] and not r["specmoe_oom_kills"]
+        within = r["specmoe_peak_bytes"] is not None and r["specmoe_peak_bytes"] <= r["cap_bytes"] \
+            and not r["specmoe_oom_kills"] and not r["specmoe_failed_runs"]
         rows.append([f"{r['cap_share']:.0%}", str(r["batch_size"]), _gb(r["specmoe_peak_bytes"]),
                      str(r["specmoe_oom_kills"]), _gb(r["llama_cpp_peak_bytes"]), str(r["llama_cpp_oom_kills"]),
                      "yes" if within else "no", _gb(r["specmoe_read_bytes_per_token"]),
@@ -107,5 +108,5 @@ BEYOND_MEMORY = Section(
          "--json {out}/beyond-memory.json",
          # the same-file section's smoke run (before this one) wrote this small file
          "python benchmarks/beyond_memory.py --model {out}/real-size-gguf-smoke/real-size-k2-m2-Q8_0.gguf "
-         "--caps 0.9 --batch-sizes 1 --rounds 1 --max-tokens 4 --json {out}/beyond-memory.json"),),
+         "--caps 0.9 --cap-floor 1GiB --batch-sizes 1 --rounds 1 --max-tokens 4 --json {out}/beyond-memory.json"),),
     lambda docs: render(docs["beyond-memory.json"]))
