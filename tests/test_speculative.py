@@ -2,6 +2,7 @@
 and speculative sampling whose tokens follow resident's distribution (the acceptance rule
 itself is checked exactly in test_acceptance.py)."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -311,6 +312,38 @@ def test_the_affinity_table_is_the_l2_distance_between_whole_experts(tiny_ckpt):
         whole = torch.stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
         want = torch.cdist(whole[None].double(), whole[None].double())[0].float()
         assert torch.allclose(table, want, rtol=1e-5, atol=1e-6) and table.diagonal().abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "Q4_K"])
+def test_the_affinity_table_is_accumulated_in_bounded_pieces(tiny_ckpt, tmp_path, monkeypatch, kind):
+    """Pieces of a few rows (across the gate/up boundary of a GGUF expert's first tensor)
+    add up to the distance between whole experts, and every piece is what the expert holds
+    there: a block's experts are never all in float32 at once."""
+    from gguf_factories import make_gguf
+
+    from specmoe.base.gguf_checkpoint import open_checkpoint
+    from specmoe.policies.specmoe import affinity
+
+    path = tiny_ckpt("mixtral") if kind == "safetensors" else make_gguf(tmp_path, "mixtral", kind, block=256)[1]
+    ckpt = open_checkpoint(path)
+    c, layer = ckpt.config, ckpt.config.moe_layer_ids[0]
+    shapes = affinity.part_shapes(ckpt, layer)
+    assert shapes == [tuple(t.shape) for t in ckpt.expert_parts(layer, 1)]
+    for part, shape in enumerate(shapes):
+        whole = ckpt.expert_parts(layer, 1)[part].float().reshape(shape[0], -1)
+        cut = (shape[0] // 2 + 3) if shape[0] > 6 else 1  # a GGUF part 0 crosses from gate rows to up rows here
+        pieces = torch.cat([affinity.part_rows(ckpt, layer, 1, part, a, b) for a, b in ((0, cut), (cut, shape[0]))])
+        assert torch.equal(pieces, whole)
+    held = []
+    real_stack = torch.stack
+    monkeypatch.setattr(affinity.torch, "stack", lambda xs, *a, **k: held.append(sum(x.numel() for x in xs))
+                        or real_stack(xs, *a, **k))
+    monkeypatch.setattr(affinity, "PIECE_BYTES", 4 * c.num_experts * max(math.prod(s[1:]) for s in shapes) * 5)
+    table = affinity.compute_affinity(ckpt)[layer]
+    whole = real_stack([ckpt.expert_buffer(layer, e, torch.float32) for e in range(c.num_experts)])
+    want = torch.cdist(whole[None].double(), whole[None].double())[0].float()
+    assert torch.allclose(table, want, rtol=1e-5, atol=1e-6)
+    assert len(held) > len(shapes) and max(held) * 4 <= affinity.PIECE_BYTES  # in pieces, each within the bound
 
 
 def test_gamma_zero_is_plain_decoding_with_residents_tokens(reference, tmp_path):

@@ -164,6 +164,31 @@ class GGUFCheckpoint(Checkpoint):
             parts += list(self._expert_biases(layer, expert))
         return parts
 
+    def expert_part_shapes(self, layer: int) -> list[tuple[int, ...]]:
+        D, I = self.config.expert.hidden, self.config.expert.inter
+        shapes = [(2 * I, D), (D, I)]
+        return shapes + ([(2 * I,), (D,)] if self.config.expert_quant.bias else [])
+
+    def expert_part_rows(self, layer: int, expert: int, part: int, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of the expert's `part`-th tensor (`expert_parts`' order) in float32,
+        2-D: only those rows' blocks are read and dequantized (a GGUF row is whole blocks)."""
+        if part > 1:  # biases: small
+            return self.expert_parts(layer, expert)[part].reshape(-1, 1)[start:stop]
+        D, I = self.config.expert.hidden, self.config.expert.inter
+        types = self.config.expert_quant.types_of(layer)
+        # part 0 is gate rows then up rows; part 1 is down
+        pieces = [(0, 0, I, D), (1, I, 2 * I, D)] if part == 0 else [(2, 0, D, I)]
+        out = []
+        for p, first, end, cols in pieces:
+            lo, hi = max(start, first), min(stop, end)
+            if lo < hi:
+                name = f"blk.{layer}.{EXPERT_PARTS[p]}.weight"
+                row = self.file.info(name).nbytes // self.file.info(name).shape[0] // (end - first)
+                base = expert * row * (end - first)
+                raw = self.file.read(name, base + (lo - first) * row, (hi - lo) * row)
+                out.append(dequantize(raw, types[p], hi - lo, cols))
+        return torch.cat(out)
+
     def fingerprint(self) -> str:
         return self.file.fingerprint()
 

@@ -7,6 +7,7 @@ block's experts at a time, and cached on disk keyed by the checkpoint.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -17,23 +18,48 @@ from ...base.errors import warn
 from ...base.files import keep
 
 
+PIECE_BYTES = 64 << 20  # the most float32 bytes of a block's experts held at once
+
+
 def compute_affinity(ckpt: Checkpoint) -> dict[int, torch.Tensor]:
     """layer -> [E, E] float32 distances between flattened expert weights.
 
-    The squared distance is a sum over the expert's tensors (gate, up, down, biases), so it
-    is accumulated one tensor at a time: a block's experts are in memory one part at a time
-    (a third of the block for a gated expert), never the whole block in float32."""
+    The squared distance is a sum over the experts' coordinates, so it is accumulated over
+    pieces: the same rows of one tensor of every expert of the block, at most PIECE_BYTES in
+    float32 at once. Holding whole tensors (a third of a block) took 2.1 GiB at experts 8192
+    wide, and killed a first run under a memory limit."""
     c = ckpt.config
     table = {}
     for layer in c.moe_layer_ids:
-        parts = len(ckpt.expert_parts(layer, 0))
         squared = torch.zeros(c.num_experts, c.num_experts, dtype=torch.float64)
-        for p in range(parts):
-            x = torch.stack([ckpt.expert_parts(layer, e)[p].reshape(-1).float() for e in range(c.num_experts)])
-            squared += torch.cdist(x[None], x[None])[0].double() ** 2
-            del x
+        for p, shape in enumerate(part_shapes(ckpt, layer)):
+            rows, width = shape[0], math.prod(shape[1:])
+            step = max(1, PIECE_BYTES // (4 * width * c.num_experts))
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                x = torch.stack([part_rows(ckpt, layer, e, p, start, stop).reshape(-1)
+                                 for e in range(c.num_experts)])
+                squared += torch.cdist(x[None], x[None])[0].double() ** 2
+                del x
         table[layer] = squared.sqrt().float()
     return table
+
+
+def part_shapes(ckpt: Checkpoint, layer: int) -> list[tuple[int, ...]]:
+    """The shapes of a routed expert's tensors in `layer` (`expert_parts`' order)."""
+    if hasattr(ckpt, "expert_part_shapes"):  # a GGUF file knows them without dequantizing
+        return ckpt.expert_part_shapes(layer)
+    return [tuple(t.shape) for t in ckpt.expert_parts(layer, 0)]
+
+
+def part_rows(ckpt: Checkpoint, layer: int, expert: int, part: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of the expert's `part`-th tensor in float32, 2-D (a bias is a column).
+    A GGUF file reads and dequantizes those rows' blocks only; a safetensors checkpoint hands
+    its tensor as stored, of which only the rows are widened."""
+    if hasattr(ckpt, "expert_part_rows"):
+        return ckpt.expert_part_rows(layer, expert, part, start, stop)
+    t = ckpt.expert_parts(layer, expert)[part]
+    return t.reshape(t.shape[0], -1)[start:stop].float()
 
 
 def load_affinity(ckpt: Checkpoint, cache_dir: Path) -> dict[int, torch.Tensor]:
