@@ -1,5 +1,7 @@
 """specmoe: fast offloaded Mixture-of-Experts inference with self-assisted speculative decoding."""
 
+import importlib
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "SpecMoEError", "__version__"]
 
@@ -10,8 +12,6 @@ _PUBLIC = {"LLM": ".api", "RequestOutput": ".api", "SpecMoEError": ".base.errors
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        import importlib
-
         value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
         globals()[name] = value
         return value

@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from . import (beyond_memory, draft_memory, draft_split, gguf_tables, real_size, replicas, report, summary, tables,
-               translate, validate)
+from . import beyond_memory, draft_memory, draft_split, gguf_tables, real_size, replicas, report, summary, tables, translate, validate  # noqa: E501
 from .section import BENCH_SMOKE, REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section, real_size_run, run_options
 
 COMMANDS_FILE = "commands.json"  # output file -> the command that wrote it, recorded by run_all.py

@@ -124,44 +124,55 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     if limit_options is not None:
         fmt = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
                             as_stored(dtype, resolve_device(device)))
-        plan = plan_limit(limit_options, c, fixed=fixed, elem=elem, max_model_len=max_len,
-                          prefill_tokens=MAX_PREFILL_TOKENS, stored_bytes=fmt.nbytes, converts=fmt.converts)
-        info["memory_limit_plan"] = plan.as_dict()
-        # the smallest configuration, as the engine counts it: a limit below it is the engine's error
-        kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size
-        need = info["non_expert_bytes"] + kv + min_device_bytes(c, limit_options, fmt.slot_bytes,
-                                                               resolve_device(device), compute_dtype)
-        info["memory_limit_smallest"] = plan.limit_for(need)
-        check_limit(plan, need)
+        plan = _limit_plan(info, c, limit_options, fixed, fmt, elem, max_len, compute_dtype)
         device_memory = plan.budget  # below: what fits in it, as for --device-memory
     if device_memory is not None:
-        kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
-        share = expert_share(device_memory)
-        # a pool slot, as the engine holds an expert (a bfloat16 checkpoint's in bfloat16 where held as stored)
         slot = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
                              as_stored(dtype, resolve_device(device))).slot_bytes
-        if share is None:
-            budget = parse_size(device_memory, "--device-memory")
-        else:  # as the engine takes a share: of the experts as the pool holds them
-            budget = int(info["non_expert_bytes"] + kv + share * slot * num_experts_total)
-        free = budget - info["non_expert_bytes"] - kv
-        fit = max(0, int(free // slot))
-        per_block = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
-        info["device_memory"] = budget
-        info["kv_reserved_bytes"] = kv
-        info["kv_reserved_for"] = f"{batch_size} sequences x {max_len} positions"
-        info["experts_fit"] = min(fit, num_experts_total)
-        info["experts_fit_per_block"] = per_block
-        info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
+        _what_fits(info, c, device_memory, slot, elem, max_len, batch_size)
         if limit_options is not None:  # the limit is what it may peak at
             info["host_peak_bound_bytes"] = plan.limit
         elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
-            info["host_peak_bound_bytes"] = host_bound(budget)
+            info["host_peak_bound_bytes"] = host_bound(info["device_memory"])
     if draft_memory is not None:
         slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
         info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
                                    compute_dtype, draft_quant or "auto", cache_dir, stored))
     return info
+
+
+def _what_fits(info: dict, c, device_memory, slot: int, elem: int, max_len: int, batch_size: int) -> None:
+    """The budget as the engine takes it and what fits in it, into `info`. `slot`: a pool
+    slot, as the engine holds an expert (a bfloat16 checkpoint's in bfloat16 where held as stored)."""
+    num_experts_total = len(c.moe_layer_ids) * c.num_experts
+    kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * batch_size  # as the engine reserves it
+    share = expert_share(device_memory)
+    if share is None:
+        budget = parse_size(device_memory, "--device-memory")
+    else:  # as the engine takes a share: of the experts as the pool holds them
+        budget = int(info["non_expert_bytes"] + kv + share * slot * num_experts_total)
+    fit = max(0, int((budget - info["non_expert_bytes"] - kv) // slot))
+    info["device_memory"] = budget
+    info["kv_reserved_bytes"] = kv
+    info["kv_reserved_for"] = f"{batch_size} sequences x {max_len} positions"
+    info["experts_fit"] = min(fit, num_experts_total)
+    info["experts_fit_per_block"] = min(c.num_experts, fit // max(1, len(c.moe_layer_ids)))
+    info["policies_fit"] = _policies_that_fit(c, fit, num_experts_total)
+
+
+def _limit_plan(info: dict, c, options: EngineConfig, fixed: int, fmt, elem: int, max_len: int, compute_dtype):
+    """--memory-limit's split as the engine plans it, into `info`; a limit below the smallest
+    configuration is the engine's own error."""
+    plan = plan_limit(options, c, fixed=fixed, elem=elem, max_model_len=max_len,
+                      prefill_tokens=MAX_PREFILL_TOKENS, stored_bytes=fmt.nbytes, converts=fmt.converts)
+    info["memory_limit_plan"] = plan.as_dict()
+    # the smallest configuration, as the engine counts it
+    kv = c.kv_elements_per_sequence(max_len, MAX_GAMMA) * elem * options.max_batch_size
+    need = info["non_expert_bytes"] + kv + min_device_bytes(c, options, fmt.slot_bytes, resolve_device(options.device),
+                                                           compute_dtype)
+    info["memory_limit_smallest"] = plan.limit_for(need)
+    check_limit(plan, need)
+    return plan
 
 
 AS_STORED = ("embedding", "attention", "lm head", "experts", "shared experts", "dense MLP")
