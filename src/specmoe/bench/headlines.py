@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import draft_memory, draft_split, goals, gguf_tables, real_size, tables
+from . import beyond_memory, draft_memory, draft_split, goals, gguf_tables, real_size, tables
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,22 @@ def gguf_disk(docs: dict[str, dict]) -> list[Headline]:
     return out
 
 
+def beyond_memory_section(docs: dict[str, dict]) -> list[Headline]:
+    """SpecMoE ÷ llama.cpp-mmap at the goal's cap, per batch size (the front table: B = 16)."""
+    out = []
+    for r in docs["beyond-memory.json"]["summary"]:
+        goal = beyond_memory.GOALS.get(r["batch_size"]) if r["cap_share"] == beyond_memory.GOAL_CAP else None
+        if goal is None or "ratio_median" not in r:
+            continue
+        out.append(Headline(f"SpecMoE ÷ llama.cpp-mmap, both in a memory cgroup capped at {r['cap_share']:.0%} of a "
+                            f"4 GB Q4_K_M file, B = {r['batch_size']}", r["ratio_median"], goal,
+                            beyond_memory.met(r), spread=f"rounds {r['ratio_low']:.2f}-{r['ratio_high']:.2f}",
+                            front=r["batch_size"] == 16))
+    return out
+
+
 # section name -> its ratios from its documents ({output: document}), in the page's summary order
 BY_SECTION: dict[str, Callable[[dict[str, dict]], list[Headline]]] = {
     "same-file": same_file, "gguf-disk": gguf_disk, "real-size": real_size_section, "real-size-runs": real_size_runs,
-    "grid": grid, "draft-split": draft_split_section, "draft-memory": draft_memory_section}
+    "grid": grid, "draft-split": draft_split_section, "draft-memory": draft_memory_section,
+    "beyond-memory": beyond_memory_section}
