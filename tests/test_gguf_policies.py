@@ -178,17 +178,26 @@ def test_the_expert_file_header_records_the_gguf_encoding(resident, tmp_path):
 
 def test_auto_drafts_with_copies_narrower_than_the_experts_as_stored(resident, tmp_path):
     """--draft-quant auto compares with the bits per weight the file stores, scales
-    included: no copies of Q4_0's 4.5 bits (an int4 copy is a Q4_0 block itself: the same
-    bytes, taken from the pool), int4 copies of Q8_0's 8.5 (int8 ones are Q8_0 blocks)."""
-    for family, type_name, want in (("mixtral", "Q4_0", "none"), ("qwen3_moe", "Q8_0", "int4")):
+    included: int4 copies under Q4_0's 4.5 bits, int8 under Q8_0's 8.5 (both then run
+    through torch's fused kernels instead of dequantizing every draft step)."""
+    for family, type_name, want in (("mixtral", "Q4_0", "int4"), ("qwen3_moe", "Q8_0", "int8")):
         path, _, _ = resident(family, type_name)
         llm = LLM(model=str(path), policy="specmoe", offload_dir=str(tmp_path), **SHAPE)  # no budget: every expert
         assert llm.engine.policy.draft_quant == want
         llm.close()
         # under a budget the planned draft may hold copies as wide as that, never wider
         llm = LLM(model=str(path), policy="specmoe", device_memory="4MiB", offload_dir=str(tmp_path), **SHAPE)
-        memory = llm.engine.policy.memory  # None: the paper's draft, no copies planned
-        ways = set() if memory is None else set(memory.options.ways())
-        wider = {"none": {"int8", "int4", "int3", "int2"}, "int4": {"int8"}}[want]
-        assert (want in ways or want == "none") and not wider & ways
+        ways = llm.engine.policy.memory.options.ways()
+        wider = {"int4": {"int8"}, "int8": set()}[want]
+        assert want in ways and not wider & set(ways)
+        llm.close()
+
+
+def test_under_a_memory_limit_auto_drafts_without_copies_that_save_no_bytes(resident, tmp_path):
+    """An int4 copy of Q4_0 experts holds as many bytes, and its first build is not bounded by
+    --memory-limit: under a limit the paper's draft; a Q8_0 file's int4 copies save half."""
+    for family, type_name, want in (("mixtral", "Q4_0", "none"), ("qwen3_moe", "Q8_0", "auto")):
+        path, _, _ = resident(family, type_name)
+        llm = LLM(model=str(path), policy="specmoe", memory_limit="2GiB", offload_dir=str(tmp_path), **SHAPE)
+        assert llm.engine.options.draft_quant == want
         llm.close()

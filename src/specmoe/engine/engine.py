@@ -31,7 +31,7 @@ from ..model.transformer import ModelWeights, MoETransformer
 from ..policies import Runtime, make_policy, min_device_bytes
 from .expert_load import ExpertLoad
 from .gamma import MAX_GAMMA
-from .host_memory import check_limit, check_tier, gamma_cap, measure_fixed, plan_limit
+from .host_memory import check_limit, check_tier, gamma_cap, limited_draft, measure_fixed, plan_limit
 from .logprobs import token_logprobs
 from .sampling import SamplingParams, sample_token, sample_tokens
 from .scheduler import Scheduler
@@ -163,6 +163,7 @@ class Engine:
             hint=f" ({options.max_batch_size} sequences x {self.max_model_len} positions; "
             "lower --batch-size (serve: --max-batch-size) or --max-model-len to need less)",
         )
+        options = limited_draft(options, self.config)
         runtime = Runtime(self.config, self.checkpoint, self.device, self.dtype, self.budget, options, weights,
                           self.max_model_len)
         self.auto_plan = None

@@ -11,6 +11,7 @@ given the same measured fixed cost.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..base.config import MAX_GAMMA, EngineConfig, memory_limit_bytes
 from ..base.errors import SpecMoEError, warn
@@ -19,6 +20,7 @@ from ..base.model_config import ModelConfig
 from ..base.units import format_bytes, format_size_at_least
 from ..experts import store as expert_store
 from ..experts.expert_file import ALIGN
+from ..experts.quant import draft_modes, saves_bytes
 
 SPECULATIVE = ("specmoe", "auto")
 # The most of a limit one pass's activations may take. Past a few hundred rows a pass gains
@@ -125,6 +127,18 @@ def plan_limit(options: EngineConfig, config: ModelConfig, *, fixed: int, elem: 
         scratch=step_scratch_bytes(config, options, max_model_len, elem, prefill_tokens, rows),
         tier=tier_host_bytes(options, stored_bytes, converts, experts), max_rows=rows,
     )
+
+
+def limited_draft(options: EngineConfig, config: ModelConfig) -> EngineConfig:
+    """Under --memory-limit, `--draft-quant auto` drafts with full experts (the paper's
+    draft) where no copy would hold fewer bytes than the experts (Q4_K, Q4_0, MXFP4, w4a16):
+    copies are built in float32 a block at a time on a first run, beyond what the limit
+    bounds (on the 4 GB Q4_K_M file, 1.6 GB limit: OOM-killed), and would save no room."""
+    if options.memory_limit is None or options.draft_quant != "auto":
+        return options
+    if any(saves_bytes(config.expert_quant, mode) for mode in draft_modes(config.expert_quant)):
+        return options
+    return replace(options, draft_quant="none")
 
 
 def check_limit(plan: LimitPlan, minimum: int) -> None:
