@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import random
+import subprocess
 import sys
 import threading
 import types
@@ -1075,3 +1076,12 @@ def watch_reads_while_drafting(engine) -> list:
 
     engine.pass_scope, transfer._load, transfer.executor.submit = scope, load, submit
     return reads
+
+
+def widened_demo(out: Path, hidden: int = 4, expert: int = 4) -> Path:
+    """The demo model widened by benchmarks/real_size_model.py into `out` (4x: experts 3 MiB
+    as stored, 384 MiB in all): real-size shapes at a size the memory tests can run."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "real_size_model.py"
+    subprocess.run([sys.executable, str(script), str(out), "--hidden-factor", str(hidden),
+                    "--expert-factor", str(expert)], check=True, capture_output=True)
+    return out

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from factories import install_fixed_profile
+from factories import install_fixed_profile, widened_demo
 from memory_peak import Measured, run_module
 
 from specmoe.base.memory import host_bound
@@ -37,10 +37,7 @@ BUDGET = 330 << 20
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wide") / "k4m4"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_size_model.py"), str(out), "--hidden-factor", "4",
-                    "--expert-factor", "4"], check=True, capture_output=True)
-    return out
+    return widened_demo(tmp_path_factory.mktemp("wide") / "k4m4")
 
 
 def generate_measured(model: Path, cache: Path, policy: str, *flags: str) -> tuple[Measured, dict | None]:

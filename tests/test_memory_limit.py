@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import install_fixed_profile
+from factories import install_fixed_profile, widened_demo
 from memory_peak import run_module
 
 from specmoe.base.config import EngineConfig, memory_limit_bytes
@@ -121,7 +121,7 @@ def test_a_limit_below_the_fixed_cost_names_the_smallest_that_works(pinned, tmp_
 
 
 def test_the_rows_of_a_pass_bound_gamma_and_never_a_context():
-    from specmoe.engine.host_memory import gamma_cap, max_pass_rows, step_rows
+    from specmoe.engine.host_memory import gamma_cap, step_rows
 
     assert gamma_cap(None, 64) == 32 and gamma_cap(250, 16) == 14 and gamma_cap(250, 64) == 2
     assert gamma_cap(100, 64) == 0  # no room for a draft: plain decoding
@@ -170,10 +170,7 @@ CAP = 700 << 20
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wide") / "k4m4"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_size_model.py"), str(out), "--hidden-factor", "4",
-                    "--expert-factor", "4"], check=True, capture_output=True)
-    return out
+    return widened_demo(tmp_path_factory.mktemp("wide") / "k4m4")
 
 
 def capped_run(model: Path, cache: Path, *flags: str):
