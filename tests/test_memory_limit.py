@@ -120,6 +120,14 @@ def test_a_limit_below_the_fixed_cost_names_the_smallest_that_works(pinned, tmp_
             max_batch_size=4, max_model_len=64)
 
 
+def test_the_allowance_grows_with_a_bigger_interpreter_never_below_the_fixed_one():
+    from specmoe.base.memory import HOST_ALLOWANCE_BYTES, host_allowance, host_bound
+
+    assert host_allowance(None) == host_allowance(151 << 20) == HOST_ALLOWANCE_BYTES  # torch's CPU build
+    assert host_allowance(277 << 20) == (277 + 100) << 20  # its CUDA build, Python 3.10
+    assert host_bound(100 << 20, 277 << 20) - host_bound(100 << 20) == (277 + 100 - 256) << 20
+
+
 def test_the_rows_of_a_pass_bound_gamma_and_never_a_context():
     from specmoe.engine.host_memory import gamma_cap, step_rows
 

@@ -108,6 +108,7 @@ class LLM:
             policy_stats=policy_stats, device_peak_bytes=engine.budget.peak,
             device_memory=engine.budget.limit,
         )
+        self.last_stats["host_fixed_bytes"] = engine.host_fixed_bytes
         if engine.memory_plan is not None:  # --memory-limit: how the limit was split, the measured fixed cost first
             self.last_stats["memory_limit_plan"] = engine.memory_plan.as_dict()
         learn_from_run(engine, self.last_stats)

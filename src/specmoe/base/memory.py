@@ -20,9 +20,23 @@ HOST_ALLOWANCE_BYTES = 256 << 20  # the interpreter, torch and the tokenizer (~1
 HOST_ALLOWANCE_SHARE = 0.15  # the allocator's slack and per-step scratch grow with what the budget holds
 
 
-def host_bound(budget: int) -> int:
-    """The most a CPU run's process should hold at its peak, for a device budget of `budget` bytes."""
-    return int(budget * (1 + HOST_ALLOWANCE_SHARE)) + HOST_ALLOWANCE_BYTES
+# Beyond the process's own memory before any weight: activations and the tokenizer's work.
+ALLOWANCE_BEYOND_FIXED = 100 << 20
+
+
+def host_allowance(fixed: int | None = None) -> int:
+    """The allowance of a process whose own memory before loading any weight was `fixed`
+    bytes (None: not measured): HOST_ALLOWANCE_BYTES, or that measure and ALLOWANCE_BEYOND_FIXED
+    where it is larger. torch's CUDA build holds 277 MiB of its own once imported (Python 3.10
+    here), its CPU build 151 MiB: one fixed allowance fitted one of them."""
+    return HOST_ALLOWANCE_BYTES if fixed is None else max(HOST_ALLOWANCE_BYTES, fixed + ALLOWANCE_BEYOND_FIXED)
+
+
+def host_bound(budget: int, fixed: int | None = None) -> int:
+    """The most a CPU run's process should hold at its peak, for a device budget of `budget`
+    bytes; `fixed`: its own memory before it loaded any weight (`host_fixed_bytes` in its
+    statistics), where measured."""
+    return int(budget * (1 + HOST_ALLOWANCE_SHARE)) + host_allowance(fixed)
 
 
 def _status(field: str, pid: int | str = "self") -> int | None:

@@ -21,7 +21,7 @@ from ..base.checkpoint import Checkpoint
 from ..base.gguf_checkpoint import load_tokenizer, open_checkpoint
 from ..base.config import EngineConfig, expert_share
 from ..base.errors import SpecMoEError, warn
-from ..base.memory import release_free_memory
+from ..base.memory import anon_rss_bytes, release_free_memory
 from ..experts.budget import DeviceBudget
 from ..experts.formats import checkpoint_expert_dtype, expert_format
 from ..kernels import blockdot
@@ -133,6 +133,8 @@ class Engine:
         self.draft_dense = None if self.as_stored else draft_dense_dtype(options, self.config, self.device, self.dtype)
         # --memory-limit: what the process holds before any weight (interpreter, torch, tokenizer) is measured
         fixed = None if options.memory_limit is None else measure_fixed(self.device)
+        # the process's own memory before any weight: what host_bound allows beyond the budget
+        self.host_fixed_bytes = anon_rss_bytes() if self.device.type == "cpu" else None
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense, self.as_stored)
         # windowed layers keep a ring of their window plus the drafts a step may roll back
         rollback = max(options.gamma, MAX_GAMMA)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..base.gguf_checkpoint import GGUFCheckpoint, open_checkpoint, tensor_kind
-from ..base.memory import host_bound
+from ..base.memory import anon_rss_bytes, host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
 from ..base.units import format_bytes, parse_size
@@ -133,7 +133,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         if limit_options is not None:  # the limit is what it may peak at
             info["host_peak_bound_bytes"] = plan.limit
         elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
-            info["host_peak_bound_bytes"] = host_bound(info["device_memory"])
+            # this process's own memory, as the engine's before its weights: both have imported the same
+            info["host_peak_bound_bytes"] = host_bound(info["device_memory"], anon_rss_bytes())
     if draft_memory is not None:
         slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
         info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
