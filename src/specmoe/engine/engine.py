@@ -133,8 +133,7 @@ class Engine:
         self.draft_dense = None if self.as_stored else draft_dense_dtype(options, self.config, self.device, self.dtype)
         # --memory-limit: what the process holds before any weight (interpreter, torch, tokenizer) is measured
         fixed = None if options.memory_limit is None else measure_fixed(self.device)
-        # the process's own memory before any weight: what host_bound allows beyond the budget
-        self.host_fixed_bytes = anon_rss_bytes() if self.device.type == "cpu" else None
+        self.host_fixed_bytes = anon_rss_bytes() if self.device.type == "cpu" else None  # own, before weights
         weights = ModelWeights.load(self.checkpoint, self.device, self.dtype, self.draft_dense, self.as_stored)
         # windowed layers keep a ring of their window plus the drafts a step may roll back
         rollback = max(options.gamma, MAX_GAMMA)
