@@ -47,8 +47,10 @@ def test_info_json_reports_bytes_and_fit(tiny_ckpt, run):
     assert info["expert_bytes"] == expert and info["expert_bytes_total"] == 16 * expert
     assert (info["non_expert_bytes"], info["kv_reserved_bytes"]) == (non_expert, kv)
     assert (info["experts_fit"], info["experts_fit_per_block"]) == (5, 2) and "policies_fit" in info
-    # on the CPU the budget is the process's memory: its stated bound, 1.15 x the budget + 256 MiB
-    assert info["host_peak_bound_bytes"] == int(budget * 1.15) + (256 << 20)
+    # on the CPU the budget is the process's memory: its stated bound, 1.15 x the budget + 256 MiB, or the
+    # process's own memory before any weight + 100 MiB where more (torch's CUDA build: Python 3.10 here)
+    allowance = max(256 << 20, info["host_fixed_bytes"] + (100 << 20))
+    assert info["host_peak_bound_bytes"] == int(budget * 1.15) + allowance
 
 
 def test_info_says_which_fused_kernel_each_draft_matrix_would_take(tiny_ckpt, run):

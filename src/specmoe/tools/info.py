@@ -134,7 +134,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             info["host_peak_bound_bytes"] = plan.limit
         elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
             # this process's own memory, as the engine's before its weights: both have imported the same
-            info["host_peak_bound_bytes"] = host_bound(info["device_memory"], anon_rss_bytes())
+            info["host_fixed_bytes"] = anon_rss_bytes()
+            info["host_peak_bound_bytes"] = host_bound(info["device_memory"], info["host_fixed_bytes"])
     if draft_memory is not None:
         slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
         info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
