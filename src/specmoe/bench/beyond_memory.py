@@ -116,7 +116,8 @@ BEYOND_MEMORY = Section(
     "brings in, reclaims cache at the cap and kills it past the cap, as on a machine with that much memory. "
     "llama.cpp runs the file as its users run one bigger than memory (mmap, weight repacking off: with it on it is "
     "OOM-killed; no torch in its process); specmoe runs SpecMoE on the disk tier (page cache bypassed) with "
-    "`--memory-limit` at the cap. Each run starts with the files evicted from the page cache. Greedy, held-out "
+    "`--memory-limit` at the cap, its defaults otherwise (under a limit the draft is the paper's, full experts: "
+    "copies of Q4_K experts would save no bytes, and their first build is not yet bounded by the limit). Each run starts with the files evicted from the page cache. Greedy, held-out "
     "prompts as the same token ids, the machine's cores for both, rounds interleaved; the ratio is taken round by "
     "round, and a goal counts as met where every round's ratio clears it.",
     (Run("beyond-memory.json", "python benchmarks/beyond_memory.py --workdir {out}/beyond-memory "
