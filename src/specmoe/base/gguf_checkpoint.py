@@ -183,9 +183,10 @@ class GGUFCheckpoint(Checkpoint):
             lo, hi = max(start, first), min(stop, end)
             if lo < hi:
                 name = f"blk.{layer}.{EXPERT_PARTS[p]}.weight"
-                row = self.file.info(name).nbytes // self.file.info(name).shape[0] // (end - first)
-                base = expert * row * (end - first)
-                raw = self.file.read(name, base + (lo - first) * row, (hi - lo) * row)
+                t = self.file.info(name)
+                per_expert = t.nbytes // t.shape[0]  # as slice_bytes takes one expert of the stack
+                row = per_expert // (end - first)
+                raw = self.file.read(name, expert * per_expert + (lo - first) * row, (hi - lo) * row)
                 out.append(dequantize(raw, types[p], hi - lo, cols))
         return torch.cat(out)
 

@@ -18,8 +18,8 @@ from ..base.errors import SpecMoEError, warn
 from ..base.memory import SCRATCH_MARGIN, LimitPlan, release_free_memory, resident_bytes
 from ..base.model_config import ModelConfig
 from ..base.units import format_bytes, format_size_at_least
-from ..experts import store as expert_store
 from ..experts.expert_file import ALIGN
+from ..experts.store import DISK_READ_DEPTH
 from ..experts.quant import draft_modes, saves_bytes
 
 SPECULATIVE = ("specmoe", "auto")
@@ -103,15 +103,13 @@ def tier_host_bytes(options: EngineConfig, stored_bytes: int, converts: bool, nu
     transfer converts through it). Host: on the CPU every expert lives in this process."""
     if options.offload == "host":
         return stored_bytes * num_experts
-    readers = getattr(expert_store, "DISK_READ_DEPTH", 1)  # reads the disk tier keeps in flight
-    return readers * (-(-stored_bytes // ALIGN) * ALIGN + (stored_bytes if converts else 0))
+    return DISK_READ_DEPTH * (-(-stored_bytes // ALIGN) * ALIGN + (stored_bytes if converts else 0))
 
 
 def check_tier(plan: LimitPlan, store) -> None:
     """Warn where the store holds more host scratch than the plan set aside for it."""
-    reported = getattr(store, "host_scratch_bytes", None)
-    if callable(reported) and getattr(store, "tier", None) == "disk" and reported() > plan.tier:
-        warn(f"--memory-limit: the disk tier holds {format_bytes(reported())} of read buffers, "
+    if store.tier == "disk" and store.host_scratch_bytes() > plan.tier:
+        warn(f"--memory-limit: the disk tier holds {format_bytes(store.host_scratch_bytes())} of read buffers, "
              f"{format_bytes(plan.tier)} were planned; the run may pass its limit by the difference")
 
 
