@@ -80,19 +80,28 @@ def _rate(rate) -> str:
     return "–" if not rate else f"{rate / 1e9:.2f} GB/s"
 
 
+def _verify_rates(doc: dict, share: float, batch: int) -> list[float]:
+    """SpecMoE's verify-pass read rate in each round at (cap, B)."""
+    return [r["stats"]["verify_disk_read_rate"] for r in doc["records"]
+            if r["engine"] == "specmoe" and r["cap_share"] == share and r["batch_size"] == batch
+            and (r.get("stats") or {}).get("verify_disk_read_rate")]
+
+
 def read_rate(doc: dict) -> str:
-    """The disk tier's rate during verify passes at B = 16 against the device's sequential rate."""
+    """The disk tier's rate during verify passes at B = 16 against the device's sequential
+    rate; the goal judged on the slowest round."""
     device = doc.get("device_read_rates") or {}
-    seq = device.get("sequential")
+    seq, random = device.get("sequential"), device.get("random")
     lines = []
     for r in doc["summary"]:
-        if r["batch_size"] == 16 and r.get("verify_disk_read_rate") and seq:
-            share = r["verify_disk_read_rate"] / seq
-            random = device.get("random")
-            beside = f" and {r['verify_disk_read_rate'] / random:.0%} of its random rate" if random else ""
-            lines.append(f"- cap {r['cap_share']:.0%}, B = 16: verify passes read at {_rate(r['verify_disk_read_rate'])}, "
-                         f"{share:.0%} of the device's sequential {_rate(seq)}{beside} (goal: ≥ {READ_RATE_GOAL:.0%} of "
-                         f"the sequential rate: {'met' if share >= READ_RATE_GOAL else 'not met'})")
+        rates = _verify_rates(doc, r["cap_share"], 16) if r["batch_size"] == 16 else []
+        if rates and seq:
+            low, mid = min(rates), statistics.median(rates)
+            beside = f" and {low / random:.0%} of its random rate" if random else ""
+            lines.append(f"- cap {r['cap_share']:.0%}, B = 16: verify passes read at {_rate(mid)} (median of "
+                         f"{len(rates)} rounds), the slowest round at {_rate(low)}: {low / seq:.0%} of the device's "
+                         f"sequential {_rate(seq)}{beside} (goal: ≥ {READ_RATE_GOAL:.0%} of the sequential rate in "
+                         f"every round: {'met' if low / seq >= READ_RATE_GOAL else 'not met'})")
     if seq:
         lines.insert(0, f"The device, measured on specmoe's expert file before the runs: sequential {_rate(seq)} "
                         f"(16 MiB reads in order, one in flight), random {_rate(device.get('random'))} (16 MiB reads "
