@@ -145,11 +145,17 @@ def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path, ch
 
     llms = {"before": old.LLM(model=checkpoint, **OPTIONS), "after": LLM(model=checkpoint, **OPTIONS)}
     now, tally, turns = [0.0], {name: Counter() for name in llms}, []
+    # per call: its verify forwards and speculative steps (a round's draft, and so its steps,
+    # can differ from another's: the pool's contents carry over and prefetches race the draft)
+    calls = {name: [] for name in llms}
 
     def taking_turns(name, generate):
         def generate_noting_the_turn(*args):
             turns.append(name)
-            return generate(*args)
+            before = tally[name]["verify"]
+            out = generate(*args)
+            calls[name].append((tally[name]["verify"] - before, llms[name].engine.counters.steps))
+            return out
         return generate_noting_the_turn
 
     for name, llm in llms.items():
@@ -159,15 +165,15 @@ def test_pair_mode_times_another_revision_beside_this_tree_in_turns(tmp_path, ch
     prof.time = virtual_clock(now)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     rounds = script.measure_pair(prof, llms, [[5, 6, 7], [8, 9]], params, repeats=3)
-    steps = {name: llm.engine.counters.steps for name, llm in llms.items()}  # the last round's, as every round's
     for llm in llms.values():
         llm.close()
 
     assert turns == ["before", "after"] + ["before", "after", "after", "before", "before", "after"]  # warm-up first
-    for name in llms:  # a warm-up and 3 rounds, all alike: per unit, its virtual ms over the units run
-        verify_forwards = tally[name]["verify"] / 4
+    for name in llms:  # after the warm-up, each round: per unit, its virtual ms over the units it ran
+        assert len(calls[name]) == 4
         assert rounds[name] == [{"draft": 1e3 * TICKS["draft"],  # a draft unit is one forward
-                                 "verify": 1e3 * TICKS["verify"] * verify_forwards / steps[name]}] * 3
+                                 "verify": 1e3 * TICKS["verify"] * forwards / steps}
+                                for forwards, steps in calls[name][1:]]
 
 
 def test_the_script_profiles_the_policies_and_model_it_is_given_and_refuses_an_unknown_policy(capsys):
