@@ -29,6 +29,8 @@ from memory_peak import Measured, run_module
 from specmoe.base.memory import host_bound
 from specmoe.experts.kernels import Shape, verdicts
 
+pytestmark = pytest.mark.slow  # a long scenario: .ci/run runs it after make test
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "benchmarks" / "prompts" / "heldout.jsonl"
 # About 30 % of the widened model's experts beside its other weights and KV cache, given in

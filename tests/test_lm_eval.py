@@ -25,6 +25,8 @@ from serving import free_port, wait_until_healthy  # noqa: E402
 
 from specmoe.base.paths import DEMO_MODEL_DIR  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a long scenario: .ci/run runs it after make test
+
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["pydoc_mc", "pydoc_gen"]
 ATOL = 1e-4

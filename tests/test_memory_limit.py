@@ -200,6 +200,7 @@ def cache(wide_model, tmp_path_factory):
     return cache
 
 
+@pytest.mark.slow  # a long scenario in a memory cgroup: .ci/run runs it after make test
 def test_a_run_under_its_limit_stays_in_a_cgroup_capped_there(wide_model, cache):
     run = capped_run(wide_model, cache, "--memory-limit", str(CAP))
     assert not run.killed_at_limit, "OOM-killed at its own --memory-limit"
@@ -210,6 +211,7 @@ def test_a_run_under_its_limit_stays_in_a_cgroup_capped_there(wide_model, cache)
     assert plan["memory_limit"] == CAP and plan["fixed_bytes"] > 100 << 20  # measured: torch alone is more
 
 
+@pytest.mark.slow  # a long scenario in a memory cgroup: .ci/run runs it after make test
 def test_the_cap_as_a_device_budget_does_not_stay_in_it(wide_model, cache):
     """The check above can fail: the same run given the cap as its ledger's budget holds the
     fixed costs beside it, and the kernel kills it (or, without a cgroup, it peaks above)."""

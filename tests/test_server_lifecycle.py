@@ -19,6 +19,8 @@ pytest.importorskip("transformers")
 
 from serving import ServeProcess, served_checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a long scenario (it waits out a drain): .ci/run runs it after make test
+
 GRACE_S = 3
 LONG, SHORT = 200, 6  # tokens: a long request cannot finish within GRACE_S, a short one does
 # a slow tier (an emulated 1 MB/s link) makes each step take ~0.15 s on the tiny model

@@ -25,6 +25,8 @@ from serving import served_checkpoint  # noqa: E402
 
 from specmoe.bench import tables  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a long scenario: .ci/run runs it after make test
+
 DURATION_S = 15
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 
