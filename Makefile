@@ -23,8 +23,11 @@ demo: install
 	$(BIN)/specmoe generate --prompts-file benchmarks/prompts/heldout.jsonl --num-prompts 16 \
 		--max-tokens 32 --policy specmoe --offload disk --device-memory 30% --batch-size 16 > /dev/null
 
+# PYTHONDONTWRITEBYTECODE emptied: where it is set, pytest rewrote every test module's asserts
+# anew in each worker (6 of the 20 s collection takes there); the bytecode goes to the
+# ignored __pycache__ folders.
 test: install
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -rs -n 2 --dist loadfile tests
 
 # BENCHMARKS.md: every command behind it (about an hour on 2 cores; run on a quiet machine),
 # each writing one JSON into bench-results/, then every section rewritten from them.

@@ -13,20 +13,21 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 
-# The files that take longest (a memory test's child processes, benches, servers started and
-# stopped, a soak, the families' disk tier, a browser, transformers' parity runs), longest
-# first, as measured with --durations=0 / --junitxml on the 2-core AMD EPYC (sum of setup,
-# call and teardown per file): `make test` runs the suite on two workers, one file to a
-# worker at a time, and a long file started last would leave the other worker idle at the
-# end. test_distributed.py (a Ray cluster, about 100 s) is the slow set: make test leaves it
-# out (pyproject.toml), .ci/run runs it after.
-LONGEST_FIRST = ("test_distributed.py", "test_host_memory.py", "test_bench.py", "test_server_lifecycle.py",
-                 "test_soak.py", "test_families.py", "test_speculative.py", "test_lm_eval.py", "test_blockdot.py",
-                 "test_ui_browser.py", "test_kernels.py", "test_parity.py", "test_draft_memory.py", "test_policies.py",
-                 "test_server_fuzz.py", "test_quantized_drafts.py", "test_autotune_calibrate.py",
-                 "test_gguf_parity.py", "test_real_size_model.py", "test_pick_costs.py", "test_gguf_invariance.py",
-                 "test_quantized_checkpoints.py", "test_gguf_policies.py", "test_profile_passes.py", "test_faults.py",
-                 "test_draft_split.py", "test_expert_file.py", "test_translate_demo.py")
+# The files that take longest (benches, the kernels' self-checks, transformers' parity runs, the
+# families' disk tier, a browser, servers started and stopped), longest first, as measured
+# with --durations=0 on a 2-core Intel Xeon (sum of setup, call and teardown per file):
+# `make test` runs the suite on two workers, one file to a worker at a time, and a long file
+# started last would leave the other worker idle at the end. The long scenarios (a Ray
+# cluster, the memory cgroup runs, lm-eval, the soak, a server's drain) are the slow set:
+# make test leaves them out (pyproject.toml), .ci/run runs them after, in this order too.
+LONGEST_FIRST = ("test_host_memory.py", "test_distributed.py", "test_lm_eval.py", "test_soak.py",
+                 "test_server_lifecycle.py", "test_bench.py", "test_quantized_checkpoints.py", "test_kernels.py",
+                 "test_families.py", "test_ui_browser.py", "test_autotune_calibrate.py", "test_blockdot.py",
+                 "test_gguf_invariance.py", "test_server_fuzz.py", "test_parity.py", "test_gguf_parity.py",
+                 "test_pick_costs.py", "test_speculative.py", "test_policies.py", "test_draft_split.py",
+                 "test_real_size_model.py", "test_faults.py", "test_profile_passes.py", "test_gguf_policies.py",
+                 "test_quantized_drafts.py", "test_benchmarks_page.py", "test_expert_file.py",
+                 "test_translate_demo.py", "test_memory_limit.py")
 
 
 def pytest_collection_modifyitems(items):
