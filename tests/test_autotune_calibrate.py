@@ -27,6 +27,7 @@ def _cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.mark.slow  # a long scenario (a whole run of the command): .ci/run runs it after make test
 def test_calibrate_saves_a_loadable_profile(tmp_path, capsys, monkeypatch):
     probed, real_probe = [], probe.run_probe
 

@@ -190,6 +190,7 @@ def test_gamma_ablation_runs_the_draft_lengths_it_is_given(tiny_ckpt, prompts_fi
         assert rec["gamma"] == g and 1 < rec["tokens_per_step"] <= g + 1 and rec["outputs_match_ondemand"] is True
 
 
+@pytest.mark.slow  # a long scenario (a whole run of the command): .ci/run runs it after make test
 def test_host_tier_adds_the_host_policy_and_runs_the_draft_compute_ablation(tiny_ckpt, prompts_file, tmp_path):
     out = tmp_path / "h.json"
     code = main(["bench", "--model", str(tiny_ckpt("mixtral")), "--offload", "host", "--batch-sizes", "2",

@@ -39,6 +39,7 @@ def test_a_ways_cost_comes_back_from_the_acceptance_it_predicts(script):
     assert script.per_pick(alone, 16, {}, "int2") == pytest.approx(0.009)
 
 
+@pytest.mark.slow  # a long scenario (a whole run of the command): .ci/run runs it after make test
 def test_the_script_measures_every_way_and_block_on_the_demo_model(tmp_path):
     """A short run end to end: a cost for every way and for int2 and substitution in every
     block, as the draft really held them, and the page's tables made from the document."""
