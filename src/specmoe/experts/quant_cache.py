@@ -126,4 +126,4 @@ def quantize_all(ckpt: Checkpoint, keys, mode: str, cache_dir: Path | None,
     q = load_quantized(ckpt, mode, cache_dir)
     wanted = {layer for layer, _ in keys}
     q = QuantizedExperts(q.mode, {l: m for l, m in q.layers.items() if l in wanted}, q.spec)
-    return q.to(device, blocks)
+    return q.to(device, blocks, release=True)
