@@ -85,6 +85,18 @@ def interpreter_libraries() -> tuple[Path, ...]:
     return tuple(sorted(found))
 
 
+@functools.cache
+def fresh_interpreter_memory(measure: str) -> int:
+    """What a fresh interpreter holds with specmoe's engine imported, by
+    `specmoe.base.memory.<measure>` (anon_rss_bytes: its own memory; resident_bytes: with
+    the libraries it maps, which --memory-limit counts), its libraries read here first as
+    before every measured child."""
+    warm([])
+    probe = (f"import specmoe.api, specmoe.engine.engine; from specmoe.base.memory import {measure}; "
+             f"print({measure}())")
+    return int(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout)
+
+
 def warm(paths) -> None:
     """Read every file under `paths`, and the interpreter's libraries, here: their pages in
     the page cache are then this process's. A library page a child brought in would be

@@ -14,7 +14,6 @@ it, at the allocation that would."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from factories import install_fixed_profile, widened_demo
-from memory_peak import Measured, run_module
+from memory_peak import Measured, fresh_interpreter_memory, run_module
 
 from specmoe.base.memory import host_bound
 from specmoe.experts.kernels import Shape, verdicts
@@ -43,13 +42,11 @@ def wide_model(tmp_path_factory):
     return widened_demo(tmp_path_factory.mktemp("wide") / "k4m4")
 
 
-@functools.cache
 def fixed_memory() -> int:
     """A fresh interpreter's own memory with specmoe's engine imported: what a run holds before
     its weights, less its tokenizer (torch's CUDA build holds more than its CPU build). The
     bounds below are host_bound's for it: the allowance it gives a bigger interpreter."""
-    probe = "import specmoe.api, specmoe.engine.engine; from specmoe.base.memory import anon_rss_bytes; print(anon_rss_bytes())"
-    return int(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout)
+    return fresh_interpreter_memory("anon_rss_bytes")
 
 
 def cgroup_limit() -> int:

@@ -5,7 +5,6 @@ without an OOM kill, while the same run given the cap as --device-memory does no
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from factories import install_fixed_profile, widened_demo
-from memory_peak import run_module, warm
+from memory_peak import fresh_interpreter_memory, run_module
 
 from specmoe.base.config import EngineConfig, memory_limit_bytes
 from specmoe.base.errors import SpecMoEError
@@ -181,17 +180,12 @@ CAP = 700 << 20
 ROOM = 200 << 20
 
 
-@functools.cache
 def cap() -> int:
     """CAP, or more where the interpreter holds more before any weight: torch's CUDA build
     (Python 3.10 here) maps 0.5 GB more of libraries, which --memory-limit counts as the
     process's own (the cgroup does not: they are in the page cache already), and 700 MiB
-    was refused as too small. The libraries are read first, as before every capped run, so
-    the probe maps as much of them as the runs will."""
-    warm([])
-    probe = "import specmoe.api, specmoe.engine.engine; from specmoe.base.memory import resident_bytes; print(resident_bytes())"
-    held = int(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout)
-    return max(CAP, held + ROOM)
+    was refused as too small."""
+    return max(CAP, fresh_interpreter_memory("resident_bytes") + ROOM)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from ..base.memory import SCRATCH_MARGIN, LimitPlan, release_free_memory, reside
 from ..base.model_config import ModelConfig
 from ..base.units import format_bytes, format_size_at_least
 from ..experts.expert_file import ALIGN
-from ..experts.store import DISK_READ_DEPTH
 from ..experts.quant import draft_modes, saves_bytes
+from ..experts.store import DISK_READ_DEPTH
 
 SPECULATIVE = ("specmoe", "auto")
 # The most of a limit one pass's activations may take. Past a few hundred rows a pass gains
@@ -108,8 +108,9 @@ def tier_host_bytes(options: EngineConfig, stored_bytes: int, converts: bool, nu
 
 def check_tier(plan: LimitPlan, store) -> None:
     """Warn where the store holds more host scratch than the plan set aside for it."""
-    if store.tier == "disk" and store.host_scratch_bytes() > plan.tier:
-        warn(f"--memory-limit: the disk tier holds {format_bytes(store.host_scratch_bytes())} of read buffers, "
+    held = store.host_scratch_bytes() if store.tier == "disk" else 0
+    if held > plan.tier:
+        warn(f"--memory-limit: the disk tier holds {format_bytes(held)} of read buffers, "
              f"{format_bytes(plan.tier)} were planned; the run may pass its limit by the difference")
 
 

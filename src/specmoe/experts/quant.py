@@ -77,8 +77,7 @@ def draft_modes(expert_quant, modes=("int8", "int4")) -> tuple[str, ...]:
     holds as many bytes, and still drafts better than the same room in full experts: on the
     real-size Q4_K_M file, disk tier at 50 %, SpecMoE ran 1.88x ondemand with such copies
     and 1.05x without."""
-    bits = expert_quant.w_in.bits if expert_quant is not None else 16
-    return tuple(mode for mode in modes if BITS[mode] < bits)
+    return tuple(mode for mode in modes if BITS[mode] < expert_bits(expert_quant))
 
 
 # What a copy's scales add to its bits per weight: a 16-bit scale per group of 32, as the
@@ -88,8 +87,12 @@ SCALE_BITS = 0.5
 
 def saves_bytes(expert_quant, mode: str) -> bool:
     """Whether a `mode` copy holds fewer bytes than the expert itself, scales counted."""
-    bits = expert_quant.w_in.bits if expert_quant is not None else 16
-    return BITS[mode] + SCALE_BITS < bits
+    return BITS[mode] + SCALE_BITS < expert_bits(expert_quant)
+
+
+def expert_bits(expert_quant) -> int:
+    """Bits per weight of the experts as stored (16: not quantized)."""
+    return expert_quant.w_in.bits if expert_quant is not None else 16
 
 
 def auto_modes(expert_quant) -> tuple[str, ...]:
