@@ -30,6 +30,7 @@
 #if defined(__F16C__) || defined(__SSSE3__)
 #include <immintrin.h>
 #endif
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,19 +258,6 @@ static inline __attribute__((always_inline)) void unpack256(int type, const uint
  * unpack256 (the same float products), a few vector operations per super-block instead of
  * hundreds of byte operations. */
 
-/* Q4_K / Q5_K scales and mins as 16 bytes (sc0..7, m0..7), four bytes at a time. */
-static inline void scales_k4(const uint8_t *q, uint8_t out[16]) {
-    uint32_t d, m, md, w[4];
-    memcpy(&d, q, 4);
-    memcpy(&m, q + 4, 4);
-    memcpy(&md, q + 8, 4);
-    w[0] = d & 0x3F3F3F3F;
-    w[1] = (md & 0x0F0F0F0F) | ((d >> 2) & 0x30303030);
-    w[2] = m & 0x3F3F3F3F;
-    w[3] = ((md >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030);
-    memcpy(out, w, 16);
-}
-
 /* The AVX-512 unpackers give a chunk in registers: four vectors of 64 codes (values 64 i to
  * 64 i + 63), the scales and the offsets of its 16 groups. Stored (unpack_*_avx512) they are
  * what the portable unpackers write; a product of a few rows dots them where they are
@@ -277,19 +265,28 @@ static inline void scales_k4(const uint8_t *q, uint8_t out[16]) {
 static inline void q4k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    uint8_t sm[16];
     for (int h = 0; h < 2; h++) {  /* 64 bytes: groups 2h and 2h + 1, low nibbles then high */
         __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 64 * h));
         __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
         u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
         u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
     }
-    scales_k4(b + 4, sm);
-    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sm)));
-    __m512 sc = _mm512_permutexvar_ps(pairs, v);
-    __m512 mn = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), v);
-    *ws = _mm512_mul_ps(_mm512_set1_ps(f16(b)), sc);
-    __m512 dm = _mm512_mul_ps(_mm512_set1_ps(f16(b + 2)), mn);
+    /* the 6-bit scales and mins (sc0..7, m0..7 as scale_min_k4 gives them) from the 12 bytes
+     * as words d, m, md: sc0-3 = d & 63, sc4-7 = md & 15 | (d >> 2) & 48, the mins likewise
+     * from m and md >> 4; in a vector, because scalar stores read back as one stalled the chunk */
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));
+    __m128i P = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_set_epi32(4, 0, 0, 0));
+    __m128i Q = _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2);
+    __m128i sm = _mm_or_si128(_mm_and_si128(P, _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F)),
+                              _mm_and_si128(Q, _mm_set_epi32(0x30303030, 0, 0x30303030, 0)));
+    __m512 all = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm));
+    __m512 sc = _mm512_permutexvar_ps(pairs, all);
+    __m512 mn = _mm512_permutexvar_ps(_mm512_add_epi32(pairs, _mm512_set1_epi32(8)), all);
+    int d_dmin;
+    memcpy(&d_dmin, b, 4);
+    __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(d_dmin));
+    *ws = _mm512_mul_ps(_mm512_broadcastss_ps(dd), sc);
+    __m512 dm = _mm512_mul_ps(_mm512_broadcastss_ps(_mm_movehdup_ps(dd)), mn);
     *wm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32((int)0x80000000)));
 }
 
@@ -599,11 +596,23 @@ typedef struct Job {
     const void *ctx;  /* what a range of another kind of job reads */
 } Job;
 
+/* The next weight row asked for while this one is multiplied: a product of a few activation
+ * rows is over before the hardware's own prefetching has the next row in cache (measured: a
+ * 2048 x 2048 Q4_K matrix at one row, 2 threads, 11-14 GB/s without, 20-23 with). */
+static inline void prefetch_row(const Job *j, int64_t n, int64_t n1) {
+    if (n >= n1) return;
+    const char *row = (const char *)(j->w + n * j->row_bytes);
+    for (int64_t o = 0; o < j->row_bytes; o += 64) PREFETCH(row + o);
+}
+
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
 #if SMK_VNNI
     FusedDots fused = j->simd ? fused_dots(j->type, j->K, j->M) : NULL;
     if (fused) {
-        for (int64_t n = n0; n < n1; n++) fused(j->w + n * j->row_bytes, j->K, j->xq, j->act, j->M, j->y + n, j->ldy);
+        for (int64_t n = n0; n < n1; n++) {
+            prefetch_row(j, n + 1, n1);
+            fused(j->w + n * j->row_bytes, j->K, j->xq, j->act, j->M, j->y + n, j->ldy);
+        }
         return;
     }
 #endif
@@ -810,6 +819,9 @@ static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         __m512 wv[4], xv[4];
+        if ((k & 31) == 0)  /* 512 bytes ahead in each weight row: 10 % faster at one row */
+            for (int c = 0; c < 4; c++)
+                if (c < C) PREFETCH((const char *)(w + c * K + k) + 512);
         for (int c = 0; c < 4; c++)
             if (c < C) {
                 __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + c * K + k)));
@@ -829,9 +841,14 @@ static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_
 
 #if SMK_VNNI
 /* The tiles with their shapes as constants (so that the accumulators stay in registers):
- * 4 x 4 where both are whole, else one weight row at a time against up to 4 activation rows. */
+ * 4 x 4 where both are whole, 1 x 4 for a single activation row, else one weight row at a time
+ * against up to 4 activation rows. */
 static void bf16_tile_4x4(const uint16_t *w, const float *x, int64_t K, float *y, int64_t ldy) {
     bf16_tile_avx512(w, x, K, 4, 4, y, ldy);
+}
+
+static void bf16_tile_1x4(const uint16_t *w, const float *x, int64_t K, float *y, int64_t ldy) {
+    bf16_tile_avx512(w, x, K, 1, 4, y, ldy);
 }
 
 static void bf16_tile_rx1(const uint16_t *w, const float *x, int64_t K, int R, float *y, int64_t ldy) {
@@ -860,6 +877,8 @@ static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
                 int64_t n = b0;
                 if (R == 4)
                     for (; n + 4 <= b1; n += 4) bf16_tile_4x4(a->w + n * K, x, K, y + n, ldy);
+                if (R == 1)  /* four chains side by side: one alone waits on each multiply-add */
+                    for (; n + 4 <= b1; n += 4) bf16_tile_1x4(a->w + n * K, x, K, y + n, ldy);
                 for (; n < b1; n++) bf16_tile_rx1(a->w + n * K, x, K, R, y + n, ldy);
             }
         }
