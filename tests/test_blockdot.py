@@ -218,9 +218,11 @@ def test_bfloat16_weights_give_the_float32_product_and_a_row_the_same_bits_alone
         assert torch.equal(blockdot.matmul_bf16(x[:rows], w, 48)[0], alone), rows
 
 
-def test_the_routers_float_product_gives_a_row_the_same_bits_alone_and_among_others():
+@pytest.mark.parametrize("N, K", [(16, 2048), (18, 2048), (16, 40)])  # whole vectors and blocks of 4 rows, or not
+def test_the_routers_float_product_gives_a_row_the_same_bits_alone_and_among_others_on_both_paths(N, K):
     gen = torch.Generator().manual_seed(12)
-    w, x = torch.randn(16, 2048, generator=gen), torch.randn(272, 2048, generator=gen)
+    w, x = torch.randn(N, K, generator=gen), torch.randn(272, K, generator=gen)
     full = blockdot.matmul_f32(x, w)
     assert (full - x @ w.T).abs().max() < 1e-3
     assert torch.equal(full[100], blockdot.matmul_f32(x[100:101], w)[0])
+    assert torch.equal(full, blockdot.matmul_f32(x, w, simd=False))

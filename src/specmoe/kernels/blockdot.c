@@ -775,9 +775,30 @@ int smk_swiglu(int tg, const uint8_t *g, int tu, const uint8_t *u, int td, const
 /* y[m, n] = x[m] . w[n] for float32 w [N, K] and x [M, K]: 16 lanes over K (lane l takes
  * k = l, l + 16, ...), fused multiply-adds in k order, the lanes summed as tree16. No
  * rounding of the activations; the same bits for a row whatever M is. */
-void smk_matmul_f32(const float *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy) {
+#if SMK_VNNI
+/* Four weight rows at once (four chains side by side), each lane's fused multiply-adds in k
+ * order and the lanes added as tree16: the portable loop's operations, vectorized. */
+static void f32_rows4_avx512(const float *w, int64_t K, const float *x, float *y) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv = _mm512_loadu_ps(x + k);
+        for (int c = 0; c < 4; c++) acc[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + c * K + k), acc[c]);
+    }
+    for (int c = 0; c < 4; c++) y[c] = tree16_avx512(acc[c]);
+}
+#endif
+
+void smk_matmul_f32(const float *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy,
+                    int simd) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
+#if SMK_VNNI
+            if (simd && K % 16 == 0 && n + 4 <= N) {  /* a router of 8-256 experts: 5x the scalar loop */
+                f32_rows4_avx512(w + n * K, K, x + m * K, y + m * ldy + n);
+                n += 3;
+                continue;
+            }
+#endif
             const float *a = x + m * K, *b = w + n * K;
             float lanes[16] = {0};
             for (int64_t k = 0; k < K; k += 16)

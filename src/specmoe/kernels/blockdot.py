@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -103,7 +104,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.smk_swiglu.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr,
                                ctypes.c_int]
     lib.smk_swiglu.restype = ctypes.c_int
-    lib.smk_matmul_f32.argtypes, lib.smk_matmul_f32.restype = [ptr, i64, i64, ptr, i64, ptr, i64], None
+    lib.smk_matmul_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.smk_matmul_f32.restype = None
     lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr,
                                i64, i64, i64, i64, ctypes.c_int]
     lib.smk_attend.restype = None
@@ -271,13 +273,16 @@ def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tens
     return y
 
 
-def matmul_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def matmul_f32(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None,
+               build: Library | None = None) -> torch.Tensor:
     """x [M, K] times float32 weight [N, K]^T, each output in one order of additions (no
-    rounding of x): the routers of a model whose other weights are multiplied as stored."""
+    rounding of x): the routers of a model whose other weights are multiplied as stored.
+    `simd` False takes the portable path of a build that has both."""
+    build = build or library()
     x, w = x.float().contiguous(), weight.float().contiguous()
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    library().lib.smk_matmul_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
-                                 y.stride(0))
+    build.lib.smk_matmul_f32(w.data_ptr(), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0], y.data_ptr(),
+                             y.stride(0), int(build.simd if simd is None else simd))
     return y
 
 
@@ -406,29 +411,30 @@ def self_check(lib_path: str) -> dict:
                     return {"ok": False, "why": f"self-check: {t} AVX-512 and portable paths differ"}
                 if M > 1 and not torch.equal(paths[-1][-1], matmul(x[-1:], raw, t, N, build=build)[0]):
                     return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
-    why = _check_bf16(build, simd, gen)
+    why = _check_float(build, simd, gen)
     if why:
-        return {"ok": False, "why": f"self-check: BF16 {why}"}
+        return {"ok": False, "why": f"self-check: {why}"}
     return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
 
 
-def _check_bf16(build: Library, simd: bool, gen: torch.Generator) -> str | None:
-    """What is wrong with the build's bfloat16 products (float64 products of the same
-    values, both paths, a row alone), or None."""
-    for N, K in ((48, 512), (17, 40)):
-        w = torch.randn(N, K, generator=gen).bfloat16()
+def _check_float(build: Library, simd: bool, gen: torch.Generator) -> str | None:
+    """What is wrong with the build's products of bfloat16 and float32 weights (float64
+    products of the same values, both paths, a row alone), or None."""
+    products = {"BF16": lambda x, w, s: matmul_bf16(x, w, w.shape[0], simd=s, build=build),
+                "F32": lambda x, w, s: matmul_f32(x, w, simd=s, build=build)}
+    for (kind, product), (N, K) in itertools.product(products.items(), ((48, 512), (17, 40))):
+        w = torch.randn(N, K, generator=gen).to(torch.bfloat16 if kind == "BF16" else torch.float32)
         for M in (*CHECK_ROWS, 6):
             x = torch.randn(M, K, generator=gen)
             want = x.double() @ w.double().T
-            paths = [matmul_bf16(x, w, N, simd=s, build=build) for s in ((False, True) if simd else (False,))]
+            paths = [product(x, w, s) for s in ((False, True) if simd else (False,))]
             if any(float((y.double() - want).norm() / want.norm()) > TOLERANCE for y in paths):
-                return f"N={N} K={K} M={M}: not the float64 product"
+                return f"{kind} N={N} K={K} M={M}: not the float64 product"
             if simd and not torch.equal(paths[0], paths[1]):
-                return "the AVX-512 and portable paths differ"
-            if M > 1 and not torch.equal(paths[-1][-1], matmul_bf16(x[-1:], w, N, build=build)[0]):
-                return f"gives a row other bits among {M} rows than alone"
+                return f"{kind}: the AVX-512 and portable paths differ"
+            if M > 1 and not torch.equal(paths[-1][-1], product(x[-1:], w, None)[0]):
+                return f"{kind} gives a row other bits among {M} rows than alone"
     return None
-
 
 
 if __name__ == "__main__":
