@@ -46,8 +46,14 @@ bench-smoke: install
 
 # llama.cpp for `specmoe bench --anchors llama.cpp`: llama-cpp-python builds it from source (tens of
 # minutes on 2 cores; JOBS=N to use more), without its examples, tools and multimodal library.
+# On a CPU with AMX its native build dies at its first product (SIGILL: an AMX tile instruction
+# in a worker thread, llama-cpp-python 0.3.36 on a Xeon with amx_tile), so there it is built for
+# AVX-512 without AMX: the kernels it runs on AVX-512 CPUs without AMX, weights repacked as usual.
 JOBS ?= 1
+NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+LLAMA_CPU := $(if $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo amx),$(NO_AMX))
 anchors: install
 	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
-		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF $(LLAMA_CPU)" \
 		$(BIN)/pip install -e '.[anchors]'
