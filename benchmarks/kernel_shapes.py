@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specmoe.base.gguf_quants import dequantize
-from specmoe.kernels import blockdot
+from specmoe.kernels import blockdot, blockdot_check
 from specmoe.kernels.cpu import usable_cores
 
 N = K = 2048
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     records = []
     for type_name in TYPES:
-        raws = [blockdot.random_blocks(type_name, N, K, gen) for _ in range(8)]
+        raws = [blockdot_check.random_blocks(type_name, N, K, gen) for _ in range(8)]
         for name, (product, held) in candidates(raws, type_name).items():
             # as the engine runs them: the block kernels' own threads with torch's on one (its
             # OpenMP threads spin after each operator and would take the cores from them)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specmoe.base.gguf_quants import dequantize
-from specmoe.kernels import blockdot
+from specmoe.kernels import blockdot, blockdot_check
 from specmoe.kernels.cpu import usable_cores
 from specmoe.kernels.packed import PackedMatrix
 
@@ -25,7 +25,7 @@ PATHS = [False, True] if blockdot.library().simd else [False]
 
 
 def weights(type_name, rows, cols, seed=0):
-    return blockdot.random_blocks(type_name, rows, cols, torch.Generator().manual_seed(seed))
+    return blockdot_check.random_blocks(type_name, rows, cols, torch.Generator().manual_seed(seed))
 
 
 def width(type_name):
@@ -38,7 +38,7 @@ def test_each_type_is_the_dequantized_product_of_the_rounded_activations(type_na
     N, K = 40, width(type_name)
     raw = weights(type_name, N, K)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 3
-    want = blockdot.activations_reference(x, type_name) @ dequantize(raw, type_name, N, K).double().T
+    want = blockdot_check.activations_reference(x, type_name) @ dequantize(raw, type_name, N, K).double().T
     got = blockdot.matmul(x, raw, type_name, N, simd=simd)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     # and within 8-bit rounding of the float32 product (what --dtype float32 computes)
@@ -113,12 +113,14 @@ def _build_from(source: str, tmp_path: Path) -> Path:
     ("*m = q[j + 4] & 63;", "*m = q[j + 4] & 31;"),  # a Q4_K min loses its top bit
     ("if (n1 > n0) j->range(j, n0, n1);",  # both paths: one row's last bit depends on the batch
      "if (n1 > n0) { j->range(j, n0, n1); if (j->M > 8) j->y[(j->M - 1) * j->ldy + n0] *= 1.0000001f; }"),
-], ids=["q8_0-offset", "q4_k-min", "batch-dependent"])
+    ("acc[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + c * K + k), acc[c]);",  # a router's product unfused
+     "acc[c] = _mm512_add_ps(_mm512_mul_ps(xv, _mm512_loadu_ps(w + c * K + k)), acc[c]);"),
+], ids=["q8_0-offset", "q4_k-min", "batch-dependent", "f32-unfused"])
 def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, tmp_path):
     source = blockdot.SOURCE.read_text()
     assert mutation[0] in source
     lib = _build_from(source.replace(mutation[0], mutation[1]), tmp_path)
-    run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot", "check", str(lib)],
+    run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot_check", str(lib)],
                          capture_output=True, text=True, timeout=120)
     verdict = run.stdout.strip().splitlines()[-1]
     assert '"ok": false' in verdict, verdict
@@ -126,8 +128,19 @@ def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, t
 
 def test_the_self_check_passes_the_shipped_source(tmp_path):
     lib = _build_from(blockdot.SOURCE.read_text(), tmp_path)
-    result = blockdot.self_check(str(lib))
+    result = blockdot_check.self_check(str(lib))
     assert result["ok"], result["why"]
+
+
+def test_rms_norm_is_llama_cpps_and_gives_a_row_the_same_bits_alone_and_among_others():
+    gen = torch.Generator().manual_seed(15)
+    x, w = torch.randn(17, 2048, generator=gen) * 3, torch.randn(2048, generator=gen)
+    full = blockdot.rms_norm(x, w, 1e-5)
+    x64 = x.double()
+    want = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert ((full.double() - want).abs().max() / want.abs().max()) < 1e-6
+    assert torch.equal(full[9], blockdot.rms_norm(x[9:10], w, 1e-5)[0])
+    assert torch.equal(blockdot.rms_norm(x, None, 1e-5) * w, full)  # x * scale, then times w, each rounded
 
 
 def test_an_unknown_setting_is_a_one_line_error_naming_the_values():
@@ -161,8 +174,8 @@ def test_usable_cores_follows_the_affinity_mask():
 def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_batch(types):
     D, I = 512, 768 if types[2].endswith("_K") else 288
     gen = torch.Generator().manual_seed(10)
-    gate, up = (blockdot.random_blocks(t, I, D, gen) for t in types[:2])
-    down = blockdot.random_blocks(types[2], D, I, gen)
+    gate, up = (blockdot_check.random_blocks(t, I, D, gen) for t in types[:2])
+    down = blockdot_check.random_blocks(types[2], D, I, gen)
     x = torch.randn(9, D, generator=gen)
     y = blockdot.swiglu(x, (gate, types[0]), (up, types[1]), (down, types[2]), I)
     g, u = blockdot.matmul(x, gate, types[0], I), blockdot.matmul(x, up, types[1], I)

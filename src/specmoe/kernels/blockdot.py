@@ -5,8 +5,7 @@ in blocks of 32 as llama.cpp does before its own products.
 blockdot.c is compiled once per machine by the system's C compiler (`cc`, `-O3
 -march=native`) into the cache dir, keyed by the source, the compiler and the CPU, and
 loaded with ctypes: nothing to install beyond a C compiler, which pip's own builds need
-anyway. Before a build is used, a child process (`python -m specmoe.kernels.blockdot
-check`) multiplies random blocks of every type through it, on both of its paths (AVX-512
+anyway. Before a build is used, a child process (`python -m specmoe.kernels.blockdot_check`) multiplies random blocks of every type through it, on both of its paths (AVX-512
 VNNI and portable C), and compares with the blocks dequantized by base/gguf_quants.py and
 multiplied in float64: a build that crashes there, or misses, is never loaded into the
 engine, and the matrices take the dequantizing path with a one-line warning
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -36,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..base.errors import SpecMoEError, warn
-from ..base.gguf_quants import BLOCKS, TYPE_IDS, dequantize, row_bytes
+from ..base.gguf_quants import TYPE_IDS, row_bytes
 from ..base.paths import cache_dir
 from .cpu import cpu_id
 
@@ -109,6 +107,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr,
                                i64, i64, i64, i64, ctypes.c_int]
     lib.smk_attend.restype = None
+    lib.smk_rms_norm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64]
+    lib.smk_rms_norm.restype = None
     lib.smk_matmul_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul_bf16.restype = None
     return lib
@@ -131,7 +131,7 @@ def _checked(so: Path) -> tuple[bool, str]:
     except (OSError, ValueError):
         pass
     try:
-        run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot", "check", str(so)],
+        run = subprocess.run([sys.executable, "-m", "specmoe.kernels.blockdot_check", str(so)],
                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
         lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
         if run.returncode == 0 and lines:
@@ -286,6 +286,17 @@ def matmul_f32(x: torch.Tensor, weight: torch.Tensor, simd: bool | None = None,
     return y
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of float32 x as llama.cpp computes it (blockdot.c's
+    smk_rms_norm: the squares summed in double), one order per row; weight float32 or None."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(flat)
+    w = None if weight is None else weight.contiguous()
+    library().lib.smk_rms_norm(flat.data_ptr(), flat.shape[0], flat.shape[1], flat.shape[1],
+                               None if w is None else w.data_ptr(), eps, y.data_ptr(), y.shape[1])
+    return y.view(x.shape)
+
+
 def matmul_bf16(x: torch.Tensor, raw: torch.Tensor, rows: int, out: torch.Tensor | None = None,
                 simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
     """x [M, K] float32 times W^T for bfloat16 W [rows, K] (`raw`: its bytes, or the bfloat16
@@ -338,106 +349,3 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, type_name: str, rows: int, simd: 
            build: Library | None = None) -> torch.Tensor:
     """x [M, K] float32 times W^T for W [rows, K] stored as GGUF `type_name` bytes: [M, rows] float32."""
     return matmul_q(quantize(x.float(), type_name, build), raw, type_name, rows, simd=simd, build=build)
-
-
-# --- the child process: python -m specmoe.kernels.blockdot check LIB ----------------------------------
-
-CHECK_ROWS = (1, 3, 16)
-TOLERANCE = 1e-4  # relative L2 error against the same 8-bit activations in float64: float32 rounding only
-
-
-def activations_reference(x: torch.Tensor, type_name: str) -> torch.Tensor:
-    """What blockdot.c multiplies `type_name` weights with for x [M, K] float32, as float64:
-    each block of a row (`act_width`) rounded (half to even) to multiples of a scale: for
-    blocks of 32, max|x| / 127 kept in float16 (where float16 holds it as a normal number);
-    for blocks of 256, 1 / (127 / max|x|)."""
-    M, K = x.shape
-    width = act_width(type_name)
-    blocks = torch.nn.functional.pad(x.float(), (0, -K % width)).view(M, -1, width)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    codes = torch.round(blocks * inv)
-    if width == 256:
-        scale = torch.where(amax > 0, 1.0 / inv, torch.zeros_like(inv))
-    else:
-        scale = amax / 127.0
-        normal = (scale >= 2.0 ** -14) & (scale <= 65504.0)  # in float16 as llama.cpp keeps it, where it can be
-        scale = torch.where(normal, scale.half().float(), scale)
-    return (codes.double() * scale.double()).view(M, -1)[:, :K]
-
-
-def random_blocks(type_name: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes laid out as `rows` x `cols` of the type, with sane float16 scales (random
-    bytes there could be infinities) and, for MXFP4, exponents near 1."""
-    values, nbytes = BLOCKS[type_name]
-    raw = torch.randint(0, 256, (rows * cols // values, nbytes), dtype=torch.uint8, generator=gen)
-    scales = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(type_name, ())
-    for at in scales:
-        half = (torch.rand(raw.shape[0], generator=gen) * 0.02 + 0.001).to(torch.float16)
-        raw[:, at:at + 2] = half.view(torch.uint8).view(-1, 2)
-    if type_name == "MXFP4":
-        raw[:, 0] = torch.randint(120, 128, (raw.shape[0],), dtype=torch.uint8, generator=gen)
-    return raw.reshape(-1)
-
-
-def self_check(lib_path: str) -> dict:
-    """Every type through both paths of the build at LIB, against float64 products of the
-    blocks dequantized by base/gguf_quants.py and the activations as the build rounds
-    them; the two paths must also agree bitwise, and a row among others must give the
-    bits it gives alone."""
-    lib = _load(Path(lib_path))
-    lib.smk_set_threads(2)
-    simd = bool(lib.smk_simd())
-    build = Library(lib, "under test", simd)
-    gen = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for t in TYPES:
-        for N, K in ((48, 512), (17, 768 if act_width(t) == 256 else 288)):
-            raw = random_blocks(t, N, K, gen)
-            w = dequantize(raw, t, N, K).double()
-            for M in CHECK_ROWS:
-                x = torch.randn(M, K, generator=gen)
-                want = activations_reference(x, t) @ w.T
-                paths = [matmul(x, raw, t, N, simd=s, build=build) for s in ((False, True) if simd else (False,))]
-                for y in paths:
-                    if not torch.isfinite(y).all():
-                        return {"ok": False, "why": f"self-check: {t} gave a result that is not finite"}
-                    err = float((y.double() - want).norm() / want.norm())
-                    worst = max(worst, err)
-                    if err > TOLERANCE:
-                        return {"ok": False, "why": f"self-check: {t} N={N} K={K} M={M} relative error {err:.2g}"}
-                if simd and not torch.equal(paths[0], paths[1]):
-                    return {"ok": False, "why": f"self-check: {t} AVX-512 and portable paths differ"}
-                if M > 1 and not torch.equal(paths[-1][-1], matmul(x[-1:], raw, t, N, build=build)[0]):
-                    return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
-    why = _check_float(build, simd, gen)
-    if why:
-        return {"ok": False, "why": f"self-check: {why}"}
-    return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
-
-
-def _check_float(build: Library, simd: bool, gen: torch.Generator) -> str | None:
-    """What is wrong with the build's products of bfloat16 and float32 weights (float64
-    products of the same values, both paths, a row alone), or None."""
-    products = {"BF16": lambda x, w, s: matmul_bf16(x, w, w.shape[0], simd=s, build=build),
-                "F32": lambda x, w, s: matmul_f32(x, w, simd=s, build=build)}
-    for (kind, product), (N, K) in itertools.product(products.items(), ((48, 512), (17, 40))):
-        w = torch.randn(N, K, generator=gen).to(torch.bfloat16 if kind == "BF16" else torch.float32)
-        for M in (*CHECK_ROWS, 6):
-            x = torch.randn(M, K, generator=gen)
-            want = x.double() @ w.double().T
-            paths = [product(x, w, s) for s in ((False, True) if simd else (False,))]
-            if any(float((y.double() - want).norm() / want.norm()) > TOLERANCE for y in paths):
-                return f"{kind} N={N} K={K} M={M}: not the float64 product"
-            if simd and not torch.equal(paths[0], paths[1]):
-                return f"{kind}: the AVX-512 and portable paths differ"
-            if M > 1 and not torch.equal(paths[-1][-1], product(x[-1:], w, None)[0]):
-                return f"{kind} gives a row other bits among {M} rows than alone"
-    return None
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "check":
-        sys.exit("usage: python -m specmoe.kernels.blockdot check LIB")
-    print(json.dumps(self_check(sys.argv[2])), flush=True)

@@ -65,7 +65,7 @@ class MoETransformer:
         return self.norm(h, self.weights.final_norm, self.weights.final_norm_bias)
 
     def norm(self, x, weight, bias=None) -> torch.Tensor:
-        return norm(self.config.family.norm, x, weight, bias, self.config.rms_norm_eps)
+        return norm(self.config.family.norm, x, weight, bias, self.config.rms_norm_eps, self.invariant)
 
     def logits(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """[n, D] final hidden states -> [n, V] float32 logits (`draft`: a draft pass's, see layers.linear)."""
