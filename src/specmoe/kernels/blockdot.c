@@ -30,7 +30,6 @@
 #if defined(__F16C__) || defined(__SSSE3__)
 #include <immintrin.h>
 #endif
-#define PREFETCH(p) __builtin_prefetch((p), 0, 3)
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +43,7 @@
 #endif
 
 #define CHUNK 256
+#define PREFETCH(p) __builtin_prefetch((p), 0, 3)  /* a read, kept in every cache level */
 #define GROUPS (CHUNK / 16)
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
@@ -820,7 +820,9 @@ void smk_rms_norm(const float *x, int64_t M, int64_t K, int64_t ldx, const float
         double sum = 0.0;
         for (int64_t k = 0; k < K; k++) sum += (double)(r[k] * r[k]);
         const float scale = 1.0f / sqrtf((float)(sum / (double)K) + eps);
-        for (int64_t k = 0; k < K; k++) out[k] = w ? (r[k] * scale) * w[k] : r[k] * scale;
+        for (int64_t k = 0; k < K; k++) out[k] = r[k] * scale;
+        if (w)
+            for (int64_t k = 0; k < K; k++) out[k] = out[k] * w[k];
     }
 }
 

@@ -5,9 +5,10 @@ in blocks of 32 as llama.cpp does before its own products.
 blockdot.c is compiled once per machine by the system's C compiler (`cc`, `-O3
 -march=native`) into the cache dir, keyed by the source, the compiler and the CPU, and
 loaded with ctypes: nothing to install beyond a C compiler, which pip's own builds need
-anyway. Before a build is used, a child process (`python -m specmoe.kernels.blockdot_check`) multiplies random blocks of every type through it, on both of its paths (AVX-512
-VNNI and portable C), and compares with the blocks dequantized by base/gguf_quants.py and
-multiplied in float64: a build that crashes there, or misses, is never loaded into the
+anyway. Before a build is used, a child process (`python -m
+specmoe.kernels.blockdot_check`) multiplies random blocks of every type through it, on
+both of its paths (AVX-512 VNNI and portable C), and compares with the blocks dequantized
+by base/gguf_quants.py and multiplied in float64: a build that crashes there, or misses, is never loaded into the
 engine, and the matrices take the dequantizing path with a one-line warning
 (`available()` says why). `SPECMOE_BLOCKDOT=off` turns it off; `=portable` keeps the
 portable C path only.
@@ -90,7 +91,8 @@ def build(portable: bool = False) -> Path:
     return out
 
 
-def _load(path: Path) -> ctypes.CDLL:
+def load(path: Path) -> ctypes.CDLL:
+    """The build at `path`, its entry points typed (no check: `library` loads checked builds)."""
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.smk_act_bytes.argtypes, lib.smk_act_bytes.restype = [i64], i64
@@ -167,7 +169,7 @@ def library() -> Library:
         warn(f"specmoe's block kernels failed their self-check on this machine ({why}); "
              "GGUF matrices are dequantized per call instead (same values, slower)")
         return Library(None, why)
-    lib = _load(so)
+    lib = load(so)
     simd = bool(lib.smk_simd())
     lib.smk_set_threads(torch.get_num_threads())
     path = "AVX-512 VNNI" if simd else "portable C"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..base.gguf_quants import BLOCKS, dequantize
-from .blockdot import TYPES, Library, _load, act_width, matmul, matmul_bf16, matmul_f32
+from .blockdot import TYPES, Library, act_width, load, matmul, matmul_bf16, matmul_f32
 
 CHECK_ROWS = (1, 3, 16)
 TOLERANCE = 1e-4  # relative L2 error against the same 8-bit activations in float64: float32 rounding only
@@ -60,7 +60,7 @@ def self_check(lib_path: str) -> dict:
     blocks dequantized by base/gguf_quants.py and the activations as the build rounds
     them; the two paths must also agree bitwise, and a row among others must give the
     bits it gives alone."""
-    lib = _load(Path(lib_path))
+    lib = load(Path(lib_path))
     lib.smk_set_threads(2)
     simd = bool(lib.smk_simd())
     build = Library(lib, "under test", simd)
