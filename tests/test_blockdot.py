@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specmoe.base.errors import SpecMoEError
 from specmoe.base.gguf_quants import dequantize
 from specmoe.kernels import blockdot, blockdot_check
 from specmoe.kernels.cpu import usable_cores
@@ -183,6 +184,31 @@ def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_ba
     assert float((y - want).norm() / want.norm()) < 1e-3  # silu in C and in torch round apart, then 8 bits
     alone = blockdot.swiglu(x[4:5], (gate, types[0]), (up, types[1]), (down, types[2]), I)
     assert torch.equal(alone[0], y[4])
+
+
+@pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
+def test_a_tokens_experts_in_one_call_are_its_experts_one_by_one_weighted_and_added_in_order(simd):
+    """What batch-1 decoding computes in one call (both experts' rows as one job for the
+    threads) has the bits of one swiglu call per expert, each times its weight, added in
+    the order given (as moe.one_token adds them), at M = 1 and M = 3, for mixed types (one
+    expert K-quants with 256-wide activation blocks, one 32-wide)."""
+    D, I = 512, 768
+    gen = torch.Generator().manual_seed(12)
+    kinds = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K", "Q8_0"), ("Q6_K", "Q6_K", "Q4_K")]
+    experts = [((blockdot_check.random_blocks(g, I, D, gen), g), (blockdot_check.random_blocks(u, I, D, gen), u),
+                (blockdot_check.random_blocks(d, D, I, gen), d)) for g, u, d in kinds]
+    weights = torch.rand(3, generator=gen).tolist()
+    for m in (1, 3):
+        x = torch.randn(m, D, generator=gen)
+        want = None
+        for expert, w in zip(experts, torch.tensor(weights).unbind()):
+            y = blockdot.swiglu(x, *expert, I, simd=simd) * w
+            want = y if want is None else want + y
+        got = blockdot.token_experts(x, experts, weights, I, simd=simd)
+        assert torch.equal(got, want)
+    # a bad type is refused, not computed
+    with pytest.raises(SpecMoEError, match="do not compute"):
+        blockdot.token_experts(x, [experts[0]], [1.0], I + 8)  # down's 776 inputs: not whole Q6_K blocks
 
 
 @pytest.mark.parametrize("d", [32, 20])  # 20: the eight running sums' tail

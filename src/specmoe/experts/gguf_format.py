@@ -114,6 +114,23 @@ class GGUFFormat:
             b_out = stored[o_out:o_out + n_out].view(torch.float32).to(x.dtype)
         return expert_forward(self.spec, x, linear_in, linear_out, b_in, b_out)
 
+    def forward_token(self, blobs: list[torch.Tensor], weights: list[float], x: torch.Tensor) -> torch.Tensor | None:
+        """sum over k of weights[k] * expert k on x [1, D], added in the order given (as
+        moe.one_token adds them), in one kernel call (blockdot.token_experts); None where
+        these experts are computed one at a time (not gated SiLU, a type or dtype the
+        kernels do not take)."""
+        if not self._fused:
+            return None
+        experts = []
+        for blob in blobs:
+            types = self._types(blob)
+            if not all(t in blockdot.TYPES and self._blocks(t, x) for t in types):
+                return None
+            sec = self._sections[types]
+            experts.append(tuple((blob[sec[name][0]:sec[name][0] + sec[name][1]], t)
+                                 for name, t in zip(("gate", "up", "down"), types)))
+        return blockdot.token_experts(x, experts, weights, self.spec.inter)
+
     def _blocks(self, type_name: str, x: torch.Tensor) -> bool:
         """Whether this matrix is multiplied in its blocks: asked for, a type the kernels
         compute, float32 activations on the CPU."""

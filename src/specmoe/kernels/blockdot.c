@@ -47,7 +47,7 @@
 #define GROUPS (CHUNK / 16)
 
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12,
-       T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
+       T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
 
 int smk_simd(void) { return SMK_VNNI; }
 
@@ -745,6 +745,62 @@ int smk_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_byt
     return 0;
 }
 
+/* The gated activation in place over the gate half of each row of h [M, 2I]:
+ * silu(g) * u with silu(g) = g / (1 + exp(-g)) in float. */
+static void silu_gate(float *h, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; m++) {
+        float *r = h + m * 2 * I;
+        for (int64_t i = 0; i < I; i++) r[i] = r[i] / (1.0f + expf(-r[i])) * r[I + i];
+    }
+}
+
+/* Several products as one job for the threads: segment s is rows [start[s], start[s + 1])
+ * of the whole, each its own product (a Job of run_rows); a part of the whole runs the
+ * pieces of the segments it covers, so a row is computed as its own product computes it. */
+#define MAX_SEGMENTS 32
+typedef struct {
+    int n;
+    Job seg[MAX_SEGMENTS];
+    int64_t start[MAX_SEGMENTS + 1];
+} Segments;
+
+static int push_segment(Segments *s, const Job *j) {
+    if (s->n == MAX_SEGMENTS) return -1;
+    s->seg[s->n] = *j;
+    s->start[s->n + 1] = s->start[s->n] + j->N;
+    s->n++;
+    return 0;
+}
+
+/* The product smk_matmul runs for W [N, K] of a block type, as a segment. */
+static int add_segment(Segments *s, int type, const uint8_t *w, int64_t N, int64_t K, const uint8_t *xq, int64_t M,
+                       float *y, int64_t ldy, int simd) {
+    int values, bytes = block_bytes(type, &values);
+    if (!bytes || K % values) return -1;
+    Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, K / values * bytes, M, smk_act_bytes(K), ldy, xq, y,
+             simd && SMK_VNNI, run_rows, NULL};
+    return push_segment(s, &j);
+}
+
+static void segment_rows(const Job *j, int64_t n0, int64_t n1) {
+    const Segments *s = j->ctx;
+    for (int i = 0; i < s->n; i++) {
+        int64_t a = s->start[i] > n0 ? s->start[i] : n0, b = s->start[i + 1] < n1 ? s->start[i + 1] : n1;
+        if (a < b) s->seg[i].range(&s->seg[i], a - s->start[i], b - s->start[i]);
+    }
+}
+
+static void run_segments(const Segments *s, int64_t K, int64_t M) {
+    Job whole = {0};
+    whole.N = s->start[s->n];
+    whole.K = K;
+    whole.Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+    whole.M = M;
+    whole.range = segment_rows;
+    whole.ctx = s;
+    run(&whole);
+}
+
 /* A gated SiLU expert in one call: y [M, D] = down(silu(gate x) * (up x)) for x [M, D], gate and
  * up [I, D] and down [D, I] in their block types. scratch: smk_swiglu_scratch(M, D, I) bytes.
  * The same products as three smk_matmul calls; silu(g) = g / (1 + exp(-g)) in float. */
@@ -762,12 +818,61 @@ int smk_swiglu(int tg, const uint8_t *g, int tu, const uint8_t *u, int td, const
     if (smk_matmul(tg, g, I, D, D / vg * bg, xq, M, h, 2 * I, simd)) return -1;
     if (smk_act_width(tu) != smk_act_width(tg)) smk_quantize(x, M, D, D, xq, smk_act_width(tu));
     if (smk_matmul(tu, u, I, D, D / vu * bu, xq, M, h + I, 2 * I, simd)) return -1;
-    for (int64_t m = 0; m < M; m++) {  /* the activation, in place over the gate half */
-        float *r = h + m * 2 * I;
-        for (int64_t i = 0; i < I; i++) r[i] = r[i] / (1.0f + expf(-r[i])) * r[I + i];
-    }
+    silu_gate(h, M, I);
     smk_quantize(h, M, I, 2 * I, hq, smk_act_width(td));
     return smk_matmul(td, dn, D, I, I / vd * bd, hq, M, y, D, simd);
+}
+
+/* A token's experts in one call (batch-1 decoding): y [M, D] = sum over k < n of weights[k] *
+ * expert k on x [M, D], added in the order given, ((w0 e0 + w1 e1) + w2 e2) ..., each
+ * product and sum rounded to float as torch rounds `y * w` and then `out + y`. Expert k is a
+ * gated SiLU expert as smk_swiglu takes it: gate, up and down at mats[3k .. 3k + 2], of
+ * types types[3k .. 3k + 2]. Every product is smk_matmul's and the activation smk_swiglu's,
+ * so each expert's output has smk_swiglu's bits; what changes is the threads' work: all the
+ * experts' gate and up rows are one job, then all their down rows another (two waits for the
+ * threads instead of three per expert). scratch: smk_token_experts_scratch(n, M, D, I) bytes. */
+int64_t smk_token_experts_scratch(int n, int64_t M, int64_t D, int64_t I) {
+    return 2 * M * smk_act_bytes(D) + n * M * (smk_act_bytes(I) + (2 * I + D) * (int64_t)sizeof(float));
+}
+
+int smk_token_experts(int n, const int *types, const uint8_t *const *mats, const float *weights, int64_t D,
+                      int64_t I, const float *x, int64_t M, float *y, uint8_t *scratch, int simd) {
+    if (n < 1 || n > MAX_SEGMENTS / 2) return -1;
+    for (int k = 0; k < 3 * n; k++) {  /* every shape checked before anything is computed */
+        int values;
+        if (!block_bytes(types[k], &values) || (k % 3 == 2 ? I : D) % values) return -1;
+    }
+    uint8_t *xq[2] = {scratch, scratch + M * smk_act_bytes(D)};  /* blocks of 256, of 32 */
+    uint8_t *rest = scratch + 2 * M * smk_act_bytes(D);
+    int quantized[2] = {0, 0};
+    Segments in = {0}, out = {0};
+    for (int k = 0; k < n; k++) {
+        float *h = (float *)(rest + k * M * 2 * I * (int64_t)sizeof(float));
+        for (int p = 0; p < 2; p++) {  /* gate rows into h's first half, up rows into its second */
+            int t = types[3 * k + p], w = smk_act_width(t) == 256 ? 0 : 1;
+            if (!quantized[w]) smk_quantize(x, M, D, D, xq[w], w ? 32 : 256);
+            quantized[w] = 1;
+            if (add_segment(&in, t, mats[3 * k + p], I, D, xq[w], M, h + p * I, 2 * I, simd)) return -1;
+        }
+    }
+    run_segments(&in, D, M);
+    uint8_t *hq = rest + n * M * 2 * I * (int64_t)sizeof(float);
+    float *ys = (float *)(hq + n * M * smk_act_bytes(I));
+    for (int k = 0; k < n; k++) {
+        float *h = (float *)(rest + k * M * 2 * I * (int64_t)sizeof(float));
+        int t = types[3 * k + 2];
+        silu_gate(h, M, I);
+        smk_quantize(h, M, I, 2 * I, hq + k * M * smk_act_bytes(I), smk_act_width(t));
+        if (add_segment(&out, t, mats[3 * k + 2], D, I, hq + k * M * smk_act_bytes(I), M, ys + k * M * D, D, simd))
+            return -1;
+    }
+    run_segments(&out, I, M);
+    for (int64_t i = 0; i < M * D; i++) {
+        float acc = ys[i] * weights[0];
+        for (int k = 1; k < n; k++) acc = acc + ys[k * M * D + i] * weights[k];
+        y[i] = acc;
+    }
+    return 0;
 }
 
 /* --- exact float products for the few float32 matrices left (routers) ----------------------- */
@@ -947,6 +1052,46 @@ void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, in
     j.range = bf16_rows;
     j.ctx = &a;
     run(&j);
+}
+
+/* y [M, rows] (rows ldy apart) = x W^T for float32 x [M, K] (rows side by side) and W stored as
+ * n parts one under another, part p being rows[p] rows of type types[p] at w[p]: a fused
+ * q/k/v matrix of a Q4_K_M file (Q4_K q and k rows, Q6_K v rows), a bfloat16 matrix (one
+ * BF16 part). A block-type part's rows are computed as smk_matmul computes them (x rounded
+ * in the activation blocks its type takes, once per width for all parts), a BF16 part's as
+ * smk_matmul_bf16 does; all parts are one job for the threads. Returns -1, computing
+ * nothing, for a type or width this file does not take. scratch: 2 * M * smk_act_bytes(K). */
+int smk_linear(int n, const int *types, const uint8_t *const *w, const int64_t *rows, int64_t K, const float *x,
+               int64_t M, float *y, int64_t ldy, uint8_t *scratch, int simd) {
+    if (n < 1 || n > MAX_SEGMENTS) return -1;
+    for (int p = 0; p < n; p++) {
+        int values;
+        if (types[p] != T_BF16 && (!block_bytes(types[p], &values) || K % values)) return -1;
+    }
+    Segments s = {0};
+    Bf16 bf[MAX_SEGMENTS];
+    uint8_t *xq[2] = {scratch, scratch + M * smk_act_bytes(K)};  /* blocks of 256, of 32 */
+    int quantized[2] = {0, 0};
+    float *at = y;
+    for (int p = 0; p < n; at += rows[p], p++) {
+        if (types[p] == T_BF16) {
+            bf[p] = (Bf16){(const uint16_t *)w[p], x, K, M, ldy, at, simd && SMK_VNNI && K % 16 == 0};
+            Job j = {0};
+            j.N = rows[p];
+            j.Kp = K;
+            j.M = M;
+            j.range = bf16_rows;
+            j.ctx = &bf[p];
+            push_segment(&s, &j);
+            continue;
+        }
+        int q = smk_act_width(types[p]) == 256 ? 0 : 1;
+        if (!quantized[q]) smk_quantize(x, M, K, K, xq[q], q ? 32 : 256);
+        quantized[q] = 1;
+        add_segment(&s, types[p], w[p], rows[p], K, xq[q], M, at, ldy, simd);
+    }
+    run_segments(&s, K, M);
+    return 0;
 }
 
 /* --- attention with one order of additions per query row --------------------------------------- */

@@ -104,6 +104,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.smk_swiglu.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr,
                                ctypes.c_int]
     lib.smk_swiglu.restype = ctypes.c_int
+    lib.smk_token_experts_scratch.argtypes = [ctypes.c_int, i64, i64, i64]
+    lib.smk_token_experts_scratch.restype = i64
+    lib.smk_token_experts.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.smk_token_experts.restype = ctypes.c_int
+    lib.smk_linear.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.smk_linear.restype = ctypes.c_int
     lib.smk_matmul_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul_f32.restype = None
     lib.smk_attend.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ptr,
@@ -257,7 +263,7 @@ def matmul_q(xq: tuple[torch.Tensor, int, int], raw: torch.Tensor, type_name: st
 
 
 def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
-           inter: int, build: Library | None = None) -> torch.Tensor:
+           inter: int, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
     """A gated SiLU expert in one call: down(silu(gate x) * up x) for x [M, D] float32, each
     matrix as (GGUF bytes, type): gate, up [inter, D], down [D, inter]. The products are
     `matmul`'s; silu is computed in C (g / (1 + exp(-g)), row by row)."""
@@ -269,9 +275,74 @@ def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tens
     y = torch.empty(M, D, dtype=torch.float32)
     ids = [TYPE_IDS[t] for _, t in (gate, up, down)]
     if lib.smk_swiglu(ids[0], gate[0].data_ptr(), ids[1], up[0].data_ptr(), ids[2], down[0].data_ptr(), D, inter,
-                      x.data_ptr(), M, y.data_ptr(), scratch.data_ptr(), int(build.simd)):
+                      x.data_ptr(), M, y.data_ptr(), scratch.data_ptr(), int(build.simd if simd is None else simd)):
         raise SpecMoEError(f"internal: the block kernels do not compute a {D}x{inter} expert in "
                            f"{'/'.join(t for _, t in (gate, up, down))}")
+    return y
+
+
+def token_experts(x: torch.Tensor, experts: list[tuple[tuple[torch.Tensor, str], ...]], weights: list[float],
+                  inter: int, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+    """sum over k of weights[k] * swiglu(x, *experts[k]) for x [M, D] float32 in one call, added
+    in the order given as `y * w` then `out + y` round in float32 (batch-1 decoding: a
+    token's experts). Each expert's output has `swiglu`'s bits; the threads run all the
+    experts' gate and up rows as one job, then all their down rows."""
+    build = build or library()
+    lib = build.lib
+    x = x.contiguous()
+    M, D = x.shape
+    n = len(experts)
+    mats = [m for expert in experts for m in expert]
+    types = (ctypes.c_int * (3 * n))(*(TYPE_IDS[t] for _, t in mats))
+    pointers = (ctypes.c_void_p * (3 * n))(*(raw.data_ptr() for raw, _ in mats))
+    scratch = torch.empty(lib.smk_token_experts_scratch(n, M, D, inter), dtype=torch.uint8)
+    y = torch.empty(M, D, dtype=torch.float32)
+    if lib.smk_token_experts(n, types, pointers, (ctypes.c_float * n)(*weights), D, inter, x.data_ptr(), M,
+                             y.data_ptr(), scratch.data_ptr(), int(build.simd if simd is None else simd)):
+        raise SpecMoEError(f"internal: the block kernels do not compute {n} {D}x{inter} experts in "
+                           f"{'/'.join(t for _, t in mats)}")
+    return y
+
+
+@dataclass(frozen=True)
+class Parts:
+    """W [rows, cols] as row ranges of their own types (GGUF block types or BF16), in the
+    arrays `linear_parts` hands the kernels; `keep` holds the tensors they point into."""
+
+    types: ctypes.Array
+    pointers: ctypes.Array
+    counts: ctypes.Array
+    rows: int
+    cols: int
+    quantized: bool
+    keep: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, parts: list[tuple[torch.Tensor, str, int]], cols: int) -> Parts:
+        """From (contiguous bytes or bfloat16 values, type, rows) per range, top to bottom."""
+        for raw, type_name, rows in parts:
+            if raw.numel() * raw.element_size() != rows * row_bytes(type_name, cols) or not raw.is_contiguous():
+                raise SpecMoEError(f"internal: {raw.numel() * raw.element_size()} bytes are not a contiguous "
+                                   f"{rows}x{cols} {type_name} matrix")
+        n = len(parts)
+        return cls((ctypes.c_int * n)(*(TYPE_IDS[t] for _, t, _ in parts)),
+                   (ctypes.c_void_p * n)(*(raw.data_ptr() for raw, _, _ in parts)),
+                   (ctypes.c_int64 * n)(*(rows for _, _, rows in parts)), sum(r for _, _, r in parts), cols,
+                   any(t != "BF16" for _, t, _ in parts), tuple(raw for raw, _, _ in parts))
+
+
+def linear_parts(x: torch.Tensor, w: Parts, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+    """x [M, cols] float32 times W^T for W in `Parts`: [M, rows] float32, in one call. Each
+    range's rows are computed as `matmul` (its activation blocks) or `matmul_bf16` computes
+    them; the threads take all ranges as one job."""
+    build = build or library()
+    x = x.float().contiguous()
+    M = x.shape[0]
+    scratch = torch.empty(2 * M * act_bytes(w.cols) if w.quantized else 0, dtype=torch.uint8)
+    y = torch.empty(M, w.rows, dtype=torch.float32)
+    if build.lib.smk_linear(len(w.types), w.types, w.pointers, w.counts, w.cols, x.data_ptr(), M, y.data_ptr(),
+                            w.rows, scratch.data_ptr(), int(build.simd if simd is None else simd)):
+        raise SpecMoEError(f"internal: the block kernels do not compute a matrix of {w.cols} inputs in these types")
     return y
 
 

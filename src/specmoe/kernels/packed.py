@@ -10,6 +10,7 @@ all parts. It holds the file's bytes and nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -66,22 +67,14 @@ class PackedMatrix:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, cols] -> x W^T [T, rows] in float32 (activations rounded to 8 bits per block, as
-        each part's type is multiplied, a BF16 part's not at all: blockdot.py)."""
-        lead, flat = x.shape[:-1], x.reshape(-1, self.cols).float()
-        y = torch.empty(flat.shape[0], self.rows, dtype=torch.float32)
-        rounded = {}  # activations rounded once per block width the parts need
-        start = 0
-        for p in self.parts:
-            if p.type_name == "BF16":  # float32 activations, unrounded
-                blockdot.matmul_bf16(flat, p.raw, p.rows, out=y[:, start:start + p.rows])
-                start += p.rows
-                continue
-            width = blockdot.act_width(p.type_name)
-            if width not in rounded:
-                rounded[width] = blockdot.quantize(flat, p.type_name)
-            blockdot.matmul_q(rounded[width], p.raw, p.type_name, p.rows, out=y[:, start:start + p.rows])
-            start += p.rows
-        return y.reshape(*lead, self.rows)
+        each part's type is multiplied, a BF16 part's not at all: blockdot.py), in one call."""
+        lead, flat = x.shape[:-1], x.reshape(-1, self.cols)
+        return blockdot.linear_parts(flat, self.kernel_parts).reshape(*lead, self.rows)
+
+    @cached_property
+    def kernel_parts(self) -> blockdot.Parts:
+        """The parts as the kernels take them, made once (on a frozen instance: its __dict__)."""
+        return blockdot.Parts.of([(p.raw, p.type_name, p.rows) for p in self.parts], self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.cat([dequantize(p.raw, p.type_name, p.rows, self.cols, dtype) for p in self.parts])

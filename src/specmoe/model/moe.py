@@ -231,6 +231,14 @@ def one_token(x: torch.Tensor, routing: Routing, compute: Callable[[int, torch.T
     return out
 
 
+def picks_in_order(routing: Routing) -> tuple[list[int], list[float]]:
+    """A single token's experts in ascending order (the order `one_token` adds them in)
+    with their mixing weights (one host sync)."""
+    ids, weights = routing.ids[0].tolist(), routing.weights[0].tolist()
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return [ids[k] for k in order], [weights[k] for k in order]
+
+
 def one_token_experts(spec: ExpertSpec, x: torch.Tensor, routing: Routing, experts: list[ExpertViews]) -> torch.Tensor:
     """`one_token` over float experts (`experts[e]`: expert e's views), as `grouped_experts` computes them."""
     def compute(e: int, xs: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from ..base.memory import release_free_memory
 from ..experts.formats import FloatFormat
 from ..model.moe import (Routing, dispatch, expert_views, group_by_expert, grouped_experts, one_token,
-                         one_token_experts, sort_picks, stacked_views)
+                         one_token_experts, picks_in_order, sort_picks, stacked_views)
 from .base import Policy, Runtime, reserve_scratch
 
 
@@ -54,5 +54,16 @@ class ResidentPolicy(Policy):
         buffers = self.experts[layer]
         compute = lambda e, xs: self.format.forward(buffers[e], xs)  # noqa: E731
         if x.shape[0] == 1:
-            return one_token(x, routing, compute)
+            return self._one_token(x, routing, buffers, compute)
         return dispatch(x, group_by_expert(routing, c.num_experts), compute)
+
+    def _one_token(self, x: torch.Tensor, routing: Routing, buffers: torch.Tensor, compute) -> torch.Tensor:
+        """Batch 1: the token's experts in one kernel call where the format has one (the same
+        bits as one call per expert, fewer waits for the threads), else one by one."""
+        whole = getattr(self.format, "forward_token", None)
+        if whole is not None and not routing.scales_input:
+            ids, weights = picks_in_order(routing)
+            y = whole([buffers[e] for e in ids], weights, x)
+            if y is not None:
+                return y
+        return one_token(x, routing, compute)
