@@ -188,27 +188,48 @@ def test_a_fused_expert_is_its_three_products_and_the_same_bits_alone_or_in_a_ba
 
 @pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
 def test_a_tokens_experts_in_one_call_are_its_experts_one_by_one_weighted_and_added_in_order(simd):
-    """What batch-1 decoding computes in one call (both experts' rows as one job for the
+    """What batch-1 decoding computes in one call (the experts' rows as one job for the
     threads) has the bits of one swiglu call per expert, each times its weight, added in
-    the order given (as moe.one_token adds them), at M = 1 and M = 3, for mixed types (one
-    expert K-quants with 256-wide activation blocks, one 32-wide)."""
+    the order given (as moe.one_token adds them), at M = 1 and M = 3, for mixed encodings
+    (K-quants with 256-wide activation blocks, Q8_0 with 32-wide ones, bfloat16 unrounded)."""
     D, I = 512, 768
     gen = torch.Generator().manual_seed(12)
-    kinds = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K", "Q8_0"), ("Q6_K", "Q6_K", "Q4_K")]
-    experts = [((blockdot_check.random_blocks(g, I, D, gen), g), (blockdot_check.random_blocks(u, I, D, gen), u),
-                (blockdot_check.random_blocks(d, D, I, gen), d)) for g, u, d in kinds]
-    weights = torch.rand(3, generator=gen).tolist()
+    kinds = [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_K", "Q8_0"), ("BF16", "BF16", "BF16"), ("Q6_K", "BF16", "Q4_K")]
+
+    def matrix(type_name, rows, cols):
+        if type_name == "BF16":
+            return torch.randn(rows, cols, generator=gen).bfloat16(), type_name
+        return blockdot_check.random_blocks(type_name, rows, cols, gen), type_name
+
+    experts = [(matrix(g, I, D), matrix(u, I, D), matrix(d, D, I)) for g, u, d in kinds]
+    weights = torch.rand(len(kinds), generator=gen).tolist()
     for m in (1, 3):
         x = torch.randn(m, D, generator=gen)
         want = None
         for expert, w in zip(experts, torch.tensor(weights).unbind()):
             y = blockdot.swiglu(x, *expert, I, simd=simd) * w
             want = y if want is None else want + y
-        got = blockdot.token_experts(x, experts, weights, I, simd=simd)
+        got = blockdot.experts(x, experts, weights, I, simd=simd)
         assert torch.equal(got, want)
     # a bad type is refused, not computed
     with pytest.raises(SpecMoEError, match="do not compute"):
-        blockdot.token_experts(x, [experts[0]], [1.0], I + 8)  # down's 776 inputs: not whole Q6_K blocks
+        blockdot.experts(x, [experts[0]], [1.0], I + 8)  # down's 776 inputs: not whole Q6_K blocks
+
+
+@pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
+def test_a_bfloat16_expert_in_one_call_is_its_bfloat16_products(simd):
+    D, I = 256, 512
+    gen = torch.Generator().manual_seed(13)
+    gate, up, down = (torch.randn(r, c, generator=gen).bfloat16() for r, c in ((I, D), (I, D), (D, I)))
+    x = torch.randn(5, D, generator=gen)
+    y = blockdot.swiglu(x, (gate, "BF16"), (up, "BF16"), (down, "BF16"), I, simd=simd)
+    h = torch.nn.functional.silu(blockdot.matmul_bf16(x, gate, I)) * blockdot.matmul_bf16(x, up, I)
+    want = blockdot.matmul_bf16(h, down, D)
+    assert float((y - want).norm() / want.norm()) < 1e-5  # silu in C and in torch round apart
+    assert torch.equal(blockdot.swiglu(x[3:4], (gate, "BF16"), (up, "BF16"), (down, "BF16"), I, simd=simd)[0], y[3])
+    # the activation's rows are 2I apart in the down product's input: every row, not only the first
+    assert all(torch.equal(blockdot.swiglu(x[m:m + 1], (gate, "BF16"), (up, "BF16"), (down, "BF16"), I, simd=simd)[0], y[m])
+               for m in range(5))
 
 
 @pytest.mark.parametrize("d", [32, 20])  # 20: the eight running sums' tail

@@ -110,13 +110,36 @@ class FloatFormat(ExpertFormat):
         return ckpt.expert_buffer(layer, expert, self.storage_dtype)
 
     def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.as_stored and stored.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if self._in_one_call(stored, x):
+            return blockdot.swiglu(x, *self._matrices(stored), self.spec.inter)
+        if self._as_stored(stored, x):
             v = expert_views(stored, self.spec)
             return expert_forward(self.spec, x, lambda t: blockdot.matmul_bf16(t, v.w_in, v.w_in.shape[0]),
                                   lambda t: blockdot.matmul_bf16(t, v.w_out, v.w_out.shape[0]),
                                   as_dtype(v.b_in, x.dtype) if v.b_in is not None else None,
                                   as_dtype(v.b_out, x.dtype) if v.b_out is not None else None)
         return run_expert(as_dtype(stored, x.dtype), x, self.spec)
+
+    def forward_token(self, slots: list[torch.Tensor], weights: list[float], x: torch.Tensor) -> torch.Tensor | None:
+        """sum over k of weights[k] * expert k on x [1, D], added in the order given (as
+        moe.one_token adds them), in one kernel call (blockdot.experts); None where these
+        experts are computed one at a time."""
+        if not all(self._in_one_call(slot, x) for slot in slots):
+            return None
+        return blockdot.experts(x, [self._matrices(slot) for slot in slots], weights, self.spec.inter)
+
+    def _as_stored(self, stored: torch.Tensor, x: torch.Tensor) -> bool:
+        return self.as_stored and stored.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def _in_one_call(self, stored: torch.Tensor, x: torch.Tensor) -> bool:
+        """A gated SiLU expert without biases, multiplied as stored: gate, up, activation
+        and down in one kernel call."""
+        s = self.spec
+        return self._as_stored(stored, x) and s.gated and s.activation == "silu" and not s.bias
+
+    def _matrices(self, stored: torch.Tensor) -> tuple[tuple[torch.Tensor, str], ...]:
+        v, inter = expert_views(stored, self.spec), self.spec.inter
+        return (v.w_in[:inter], "BF16"), (v.w_in[inter:], "BF16"), (v.w_out, "BF16")
 
 
 class QuantizedFormat(ExpertFormat):

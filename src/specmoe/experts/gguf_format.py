@@ -90,7 +90,7 @@ class GGUFFormat:
             offset, n = sec[name]
             return stored[offset:offset + n]
 
-        if self._fused and all(t in blockdot.TYPES and self._blocks(t, x) for t in types):
+        if self._fused and all(self._blocks(t, x) for t in types):
             return blockdot.swiglu(x, (raw("gate"), types[0]), (raw("up"), types[1]), (raw("down"), types[2]), I)
 
         def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class GGUFFormat:
 
     def forward_token(self, blobs: list[torch.Tensor], weights: list[float], x: torch.Tensor) -> torch.Tensor | None:
         """sum over k of weights[k] * expert k on x [1, D], added in the order given (as
-        moe.one_token adds them), in one kernel call (blockdot.token_experts); None where
+        moe.one_token adds them), in one kernel call (blockdot.experts); None where
         these experts are computed one at a time (not gated SiLU, a type or dtype the
         kernels do not take)."""
         if not self._fused:
@@ -124,12 +124,12 @@ class GGUFFormat:
         experts = []
         for blob in blobs:
             types = self._types(blob)
-            if not all(t in blockdot.TYPES and self._blocks(t, x) for t in types):
+            if not all(self._blocks(t, x) for t in types):
                 return None
             sec = self._sections[types]
             experts.append(tuple((blob[sec[name][0]:sec[name][0] + sec[name][1]], t)
                                  for name, t in zip(("gate", "up", "down"), types)))
-        return blockdot.token_experts(x, experts, weights, self.spec.inter)
+        return blockdot.experts(x, experts, weights, self.spec.inter)
 
     def _blocks(self, type_name: str, x: torch.Tensor) -> bool:
         """Whether this matrix is multiplied in its blocks: asked for, a type the kernels

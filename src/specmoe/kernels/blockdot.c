@@ -745,136 +745,6 @@ int smk_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_byt
     return 0;
 }
 
-/* The gated activation in place over the gate half of each row of h [M, 2I]:
- * silu(g) * u with silu(g) = g / (1 + exp(-g)) in float. */
-static void silu_gate(float *h, int64_t M, int64_t I) {
-    for (int64_t m = 0; m < M; m++) {
-        float *r = h + m * 2 * I;
-        for (int64_t i = 0; i < I; i++) r[i] = r[i] / (1.0f + expf(-r[i])) * r[I + i];
-    }
-}
-
-/* Several products as one job for the threads: segment s is rows [start[s], start[s + 1])
- * of the whole, each its own product (a Job of run_rows); a part of the whole runs the
- * pieces of the segments it covers, so a row is computed as its own product computes it. */
-#define MAX_SEGMENTS 32
-typedef struct {
-    int n;
-    Job seg[MAX_SEGMENTS];
-    int64_t start[MAX_SEGMENTS + 1];
-} Segments;
-
-static int push_segment(Segments *s, const Job *j) {
-    if (s->n == MAX_SEGMENTS) return -1;
-    s->seg[s->n] = *j;
-    s->start[s->n + 1] = s->start[s->n] + j->N;
-    s->n++;
-    return 0;
-}
-
-/* The product smk_matmul runs for W [N, K] of a block type, as a segment. */
-static int add_segment(Segments *s, int type, const uint8_t *w, int64_t N, int64_t K, const uint8_t *xq, int64_t M,
-                       float *y, int64_t ldy, int simd) {
-    int values, bytes = block_bytes(type, &values);
-    if (!bytes || K % values) return -1;
-    Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, K / values * bytes, M, smk_act_bytes(K), ldy, xq, y,
-             simd && SMK_VNNI, run_rows, NULL};
-    return push_segment(s, &j);
-}
-
-static void segment_rows(const Job *j, int64_t n0, int64_t n1) {
-    const Segments *s = j->ctx;
-    for (int i = 0; i < s->n; i++) {
-        int64_t a = s->start[i] > n0 ? s->start[i] : n0, b = s->start[i + 1] < n1 ? s->start[i + 1] : n1;
-        if (a < b) s->seg[i].range(&s->seg[i], a - s->start[i], b - s->start[i]);
-    }
-}
-
-static void run_segments(const Segments *s, int64_t K, int64_t M) {
-    Job whole = {0};
-    whole.N = s->start[s->n];
-    whole.K = K;
-    whole.Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
-    whole.M = M;
-    whole.range = segment_rows;
-    whole.ctx = s;
-    run(&whole);
-}
-
-/* A gated SiLU expert in one call: y [M, D] = down(silu(gate x) * (up x)) for x [M, D], gate and
- * up [I, D] and down [D, I] in their block types. scratch: smk_swiglu_scratch(M, D, I) bytes.
- * The same products as three smk_matmul calls; silu(g) = g / (1 + exp(-g)) in float. */
-int64_t smk_swiglu_scratch(int64_t M, int64_t D, int64_t I) {
-    return M * smk_act_bytes(D) + M * 2 * I * (int64_t)sizeof(float) + M * smk_act_bytes(I);
-}
-
-int smk_swiglu(int tg, const uint8_t *g, int tu, const uint8_t *u, int td, const uint8_t *dn, int64_t D, int64_t I,
-               const float *x, int64_t M, float *y, uint8_t *scratch, int simd) {
-    int vg, vu, vd, bg = block_bytes(tg, &vg), bu = block_bytes(tu, &vu), bd = block_bytes(td, &vd);
-    if (!bg || !bu || !bd || D % vg || D % vu || I % vd) return -1;
-    uint8_t *xq = scratch, *hq = scratch + M * smk_act_bytes(D) + M * 2 * I * (int64_t)sizeof(float);
-    float *h = (float *)(scratch + M * smk_act_bytes(D));
-    smk_quantize(x, M, D, D, xq, smk_act_width(tg));
-    if (smk_matmul(tg, g, I, D, D / vg * bg, xq, M, h, 2 * I, simd)) return -1;
-    if (smk_act_width(tu) != smk_act_width(tg)) smk_quantize(x, M, D, D, xq, smk_act_width(tu));
-    if (smk_matmul(tu, u, I, D, D / vu * bu, xq, M, h + I, 2 * I, simd)) return -1;
-    silu_gate(h, M, I);
-    smk_quantize(h, M, I, 2 * I, hq, smk_act_width(td));
-    return smk_matmul(td, dn, D, I, I / vd * bd, hq, M, y, D, simd);
-}
-
-/* A token's experts in one call (batch-1 decoding): y [M, D] = sum over k < n of weights[k] *
- * expert k on x [M, D], added in the order given, ((w0 e0 + w1 e1) + w2 e2) ..., each
- * product and sum rounded to float as torch rounds `y * w` and then `out + y`. Expert k is a
- * gated SiLU expert as smk_swiglu takes it: gate, up and down at mats[3k .. 3k + 2], of
- * types types[3k .. 3k + 2]. Every product is smk_matmul's and the activation smk_swiglu's,
- * so each expert's output has smk_swiglu's bits; what changes is the threads' work: all the
- * experts' gate and up rows are one job, then all their down rows another (two waits for the
- * threads instead of three per expert). scratch: smk_token_experts_scratch(n, M, D, I) bytes. */
-int64_t smk_token_experts_scratch(int n, int64_t M, int64_t D, int64_t I) {
-    return 2 * M * smk_act_bytes(D) + n * M * (smk_act_bytes(I) + (2 * I + D) * (int64_t)sizeof(float));
-}
-
-int smk_token_experts(int n, const int *types, const uint8_t *const *mats, const float *weights, int64_t D,
-                      int64_t I, const float *x, int64_t M, float *y, uint8_t *scratch, int simd) {
-    if (n < 1 || n > MAX_SEGMENTS / 2) return -1;
-    for (int k = 0; k < 3 * n; k++) {  /* every shape checked before anything is computed */
-        int values;
-        if (!block_bytes(types[k], &values) || (k % 3 == 2 ? I : D) % values) return -1;
-    }
-    uint8_t *xq[2] = {scratch, scratch + M * smk_act_bytes(D)};  /* blocks of 256, of 32 */
-    uint8_t *rest = scratch + 2 * M * smk_act_bytes(D);
-    int quantized[2] = {0, 0};
-    Segments in = {0}, out = {0};
-    for (int k = 0; k < n; k++) {
-        float *h = (float *)(rest + k * M * 2 * I * (int64_t)sizeof(float));
-        for (int p = 0; p < 2; p++) {  /* gate rows into h's first half, up rows into its second */
-            int t = types[3 * k + p], w = smk_act_width(t) == 256 ? 0 : 1;
-            if (!quantized[w]) smk_quantize(x, M, D, D, xq[w], w ? 32 : 256);
-            quantized[w] = 1;
-            if (add_segment(&in, t, mats[3 * k + p], I, D, xq[w], M, h + p * I, 2 * I, simd)) return -1;
-        }
-    }
-    run_segments(&in, D, M);
-    uint8_t *hq = rest + n * M * 2 * I * (int64_t)sizeof(float);
-    float *ys = (float *)(hq + n * M * smk_act_bytes(I));
-    for (int k = 0; k < n; k++) {
-        float *h = (float *)(rest + k * M * 2 * I * (int64_t)sizeof(float));
-        int t = types[3 * k + 2];
-        silu_gate(h, M, I);
-        smk_quantize(h, M, I, 2 * I, hq + k * M * smk_act_bytes(I), smk_act_width(t));
-        if (add_segment(&out, t, mats[3 * k + 2], D, I, hq + k * M * smk_act_bytes(I), M, ys + k * M * D, D, simd))
-            return -1;
-    }
-    run_segments(&out, I, M);
-    for (int64_t i = 0; i < M * D; i++) {
-        float acc = ys[i] * weights[0];
-        for (int k = 1; k < n; k++) acc = acc + ys[k * M * D + i] * weights[k];
-        y[i] = acc;
-    }
-    return 0;
-}
-
 /* --- exact float products for the few float32 matrices left (routers) ----------------------- */
 
 /* y[m, n] = x[m] . w[n] for float32 w [N, K] and x [M, K]: 16 lanes over K (lane l takes
@@ -941,7 +811,7 @@ void smk_rms_norm(const float *x, int64_t M, int64_t K, int64_t ldx, const float
 typedef struct {
     const uint16_t *w;
     const float *x;
-    int64_t K, M, ldy;
+    int64_t K, M, ldx, ldy;  /* activation rows ldx apart, output rows ldy apart */
     float *y;
     int simd;
 } Bf16;
@@ -958,7 +828,7 @@ static inline float bf16_value(uint16_t h) {
  * multiply-adds side by side, each weight vector widened once and each activation vector
  * loaded once for the tile; an output's chain is its own, in k order, whatever the tile. */
 static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_t *w, const float *x, int64_t K,
-                                                                  int R, int C, float *y, int64_t ldy) {
+                                                                  int64_t ldx, int R, int C, float *y, int64_t ldy) {
     __m512 acc[4][4];
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
@@ -973,7 +843,7 @@ static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_
                 wv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
             }
         for (int r = 0; r < 4; r++)
-            if (r < R) xv[r] = _mm512_loadu_ps(x + r * K + k);
+            if (r < R) xv[r] = _mm512_loadu_ps(x + r * ldx + k);
         for (int r = 0; r < 4; r++)
             for (int c = 0; c < 4; c++)
                 if (r < R && c < C) acc[r][c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r][c]);
@@ -988,20 +858,20 @@ static inline __attribute__((always_inline)) void bf16_tile_avx512(const uint16_
 /* The tiles with their shapes as constants (so that the accumulators stay in registers):
  * 4 x 4 where both are whole, 1 x 4 for a single activation row, else one weight row at a time
  * against up to 4 activation rows. */
-static void bf16_tile_4x4(const uint16_t *w, const float *x, int64_t K, float *y, int64_t ldy) {
-    bf16_tile_avx512(w, x, K, 4, 4, y, ldy);
+static void bf16_tile_4x4(const uint16_t *w, const float *x, int64_t K, int64_t ldx, float *y, int64_t ldy) {
+    bf16_tile_avx512(w, x, K, ldx, 4, 4, y, ldy);
 }
 
 static void bf16_tile_1x4(const uint16_t *w, const float *x, int64_t K, float *y, int64_t ldy) {
-    bf16_tile_avx512(w, x, K, 1, 4, y, ldy);
+    bf16_tile_avx512(w, x, K, K, 1, 4, y, ldy);
 }
 
-static void bf16_tile_rx1(const uint16_t *w, const float *x, int64_t K, int R, float *y, int64_t ldy) {
+static void bf16_tile_rx1(const uint16_t *w, const float *x, int64_t K, int64_t ldx, int R, float *y, int64_t ldy) {
     switch (R) {
-        case 1: bf16_tile_avx512(w, x, K, 1, 1, y, ldy); break;
-        case 2: bf16_tile_avx512(w, x, K, 2, 1, y, ldy); break;
-        case 3: bf16_tile_avx512(w, x, K, 3, 1, y, ldy); break;
-        default: bf16_tile_avx512(w, x, K, 4, 1, y, ldy); break;
+        case 1: bf16_tile_avx512(w, x, K, ldx, 1, 1, y, ldy); break;
+        case 2: bf16_tile_avx512(w, x, K, ldx, 2, 1, y, ldy); break;
+        case 3: bf16_tile_avx512(w, x, K, ldx, 3, 1, y, ldy); break;
+        default: bf16_tile_avx512(w, x, K, ldx, 4, 1, y, ldy); break;
     }
 }
 #endif
@@ -1017,14 +887,14 @@ static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
             int64_t b1 = b0 + BF16_BLOCK_ROWS < n1 ? b0 + BF16_BLOCK_ROWS : n1;
             for (int64_t m = 0; m < M; m += 4) {
                 int R = M - m < 4 ? (int)(M - m) : 4;
-                const float *x = a->x + m * K;
+                const float *x = a->x + m * a->ldx;
                 float *y = a->y + m * ldy;
                 int64_t n = b0;
                 if (R == 4)
-                    for (; n + 4 <= b1; n += 4) bf16_tile_4x4(a->w + n * K, x, K, y + n, ldy);
+                    for (; n + 4 <= b1; n += 4) bf16_tile_4x4(a->w + n * K, x, K, a->ldx, y + n, ldy);
                 if (R == 1)  /* four chains side by side: one alone waits on each multiply-add */
                     for (; n + 4 <= b1; n += 4) bf16_tile_1x4(a->w + n * K, x, K, y + n, ldy);
-                for (; n < b1; n++) bf16_tile_rx1(a->w + n * K, x, K, R, y + n, ldy);
+                for (; n < b1; n++) bf16_tile_rx1(a->w + n * K, x, K, a->ldx, R, y + n, ldy);
             }
         }
         return;
@@ -1033,7 +903,7 @@ static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *w = a->w + n * K;
         for (int64_t m = 0; m < M; m++) {
-            const float *x = a->x + m * K;
+            const float *x = a->x + m * a->ldx;
             float lanes[16] = {0};
             for (int64_t k = 0; k < K; k += 16)
                 for (int l = 0; l < 16 && k + l < K; l++) lanes[l] = fmaf(x[k + l], bf16_value(w[k + l]), lanes[l]);
@@ -1044,7 +914,7 @@ static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
 
 void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy,
                      int simd) {
-    Bf16 a = {w, x, K, M, ldy, y, simd && SMK_VNNI && K % 16 == 0};
+    Bf16 a = {w, x, K, M, K, ldy, y, simd && SMK_VNNI && K % 16 == 0};
     Job j = {0};
     j.N = N;
     j.Kp = K;  /* the work per unit, for run's small-job rule */
@@ -1054,43 +924,164 @@ void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, in
     run(&j);
 }
 
+/* Several products as one job for the threads: segment s is rows [start[s], start[s + 1])
+ * of the whole, each its own product (a Job as smk_matmul or smk_matmul_bf16 runs it); a
+ * part of the whole runs the pieces of the segments it covers, so a row is computed as its
+ * own product computes it. */
+#define MAX_SEGMENTS 32
+typedef struct {
+    int n;
+    Job seg[MAX_SEGMENTS];
+    Bf16 bf[MAX_SEGMENTS];  /* what a bfloat16 segment reads */
+    int64_t start[MAX_SEGMENTS + 1];
+} Segments;
+
+/* An input of several products: float rows ldx apart and, made when a product first asks
+ * for them, their 8-bit blocks of 256 (q[0]) and of 32 (q[1]), each M * smk_act_bytes(K). */
+typedef struct {
+    const float *x;
+    int64_t M, K, ldx;
+    uint8_t *q[2];
+    int made[2];
+} Input;
+
+/* Whether this file multiplies weights of `type` with K inputs. */
+static int takes(int type, int64_t K) {
+    int values;
+    return type == T_BF16 || (block_bytes(type, &values) && K % values == 0);
+}
+
+/* The product in->x W^T for W [N, K] of `type` as the next segment, into y (rows ldy apart). */
+static void add_product(Segments *s, Input *in, int type, const uint8_t *w, int64_t N, float *y, int64_t ldy,
+                        int simd) {
+    Job j = {0};
+    j.N = N;
+    j.K = in->K;
+    j.M = in->M;
+    j.ldy = ldy;
+    j.y = y;
+    if (type == T_BF16) {
+        s->bf[s->n] = (Bf16){(const uint16_t *)w, in->x, in->K, in->M, in->ldx, ldy, y,
+                             simd && SMK_VNNI && in->K % 16 == 0};
+        j.Kp = in->K;
+        j.range = bf16_rows;
+        j.ctx = &s->bf[s->n];
+    } else {
+        int values, bytes = block_bytes(type, &values), q = smk_act_width(type) == 256 ? 0 : 1;
+        if (!in->made[q]) smk_quantize(in->x, in->M, in->K, in->ldx, in->q[q], q ? 32 : 256);
+        in->made[q] = 1;
+        j.type = type;
+        j.w = w;
+        j.Kp = (in->K + CHUNK - 1) / CHUNK * CHUNK;
+        j.row_bytes = in->K / values * bytes;
+        j.act = smk_act_bytes(in->K);
+        j.xq = in->q[q];
+        j.simd = simd && SMK_VNNI;
+        j.range = run_rows;
+    }
+    s->seg[s->n] = j;
+    s->start[s->n + 1] = s->start[s->n] + N;
+    s->n++;
+}
+
+static void segment_rows(const Job *j, int64_t n0, int64_t n1) {
+    const Segments *s = j->ctx;
+    for (int i = 0; i < s->n; i++) {
+        int64_t a = s->start[i] > n0 ? s->start[i] : n0, b = s->start[i + 1] < n1 ? s->start[i + 1] : n1;
+        if (a < b) s->seg[i].range(&s->seg[i], a - s->start[i], b - s->start[i]);
+    }
+}
+
+static void run_segments(const Segments *s, int64_t K, int64_t M) {
+    Job whole = {0};
+    whole.N = s->start[s->n];
+    whole.K = K;
+    whole.Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+    whole.M = M;
+    whole.range = segment_rows;
+    whole.ctx = s;
+    run(&whole);
+}
+
+/* The gated activation in place over the gate half of each row of h [M, 2I]:
+ * silu(g) * u with silu(g) = g / (1 + exp(-g)) in float. */
+static void silu_gate(float *h, int64_t M, int64_t I) {
+    for (int64_t m = 0; m < M; m++) {
+        float *r = h + m * 2 * I;
+        for (int64_t i = 0; i < I; i++) r[i] = r[i] / (1.0f + expf(-r[i])) * r[I + i];
+    }
+}
+
+/* Gated SiLU experts on the same rows: y [M, D] = sum over k < n of weights[k] * expert k on
+ * x [M, D], added in the order given, ((w0 e0 + w1 e1) + w2 e2) ..., each product and sum
+ * rounded to float as torch rounds `y * w` and then `out + y` (n = 1 with weight 1: one
+ * expert, exactly). Expert k is down(silu(gate x) * (up x)) with gate and up [I, D] and down
+ * [D, I] at mats[3k .. 3k + 2], of types types[3k .. 3k + 2] (block types: x and the
+ * activation rounded to their 8-bit blocks, as smk_matmul takes them; BF16: unrounded, as
+ * smk_matmul_bf16). So expert k's output has the same bits alone or beside others; all the
+ * experts' gate and up rows are one job for the threads, then all their down rows another.
+ * Returns -1, computing nothing, for a type or shape this file does not take. scratch:
+ * smk_experts_scratch(n, M, D, I) bytes. */
+int64_t smk_experts_scratch(int n, int64_t M, int64_t D, int64_t I) {
+    return 2 * M * smk_act_bytes(D) + n * M * (2 * smk_act_bytes(I) + (2 * I + D) * (int64_t)sizeof(float));
+}
+
+int smk_experts(int n, const int *types, const uint8_t *const *mats, const float *weights, int64_t D, int64_t I,
+                const float *x, int64_t M, float *y, uint8_t *scratch, int simd) {
+    if (n < 1 || 2 * n > MAX_SEGMENTS) return -1;
+    for (int k = 0; k < 3 * n; k++)
+        if (!takes(types[k], k % 3 == 2 ? I : D)) return -1;
+    Input in = {x, M, D, D, {scratch, scratch + M * smk_act_bytes(D)}, {0, 0}};
+    float *h = (float *)(scratch + 2 * M * smk_act_bytes(D)), *ys = h + n * M * 2 * I;
+    uint8_t *hq = (uint8_t *)(ys + n * M * D);
+    Segments *s = malloc(sizeof(Segments));
+    if (!s) return -1;
+    s->n = 0;
+    s->start[0] = 0;
+    for (int k = 0; k < n; k++) {  /* gate rows into each h row's first half, up rows into its second */
+        add_product(s, &in, types[3 * k], mats[3 * k], I, h + k * M * 2 * I, 2 * I, simd);
+        add_product(s, &in, types[3 * k + 1], mats[3 * k + 1], I, h + k * M * 2 * I + I, 2 * I, simd);
+    }
+    run_segments(s, D, M);
+    Input act[MAX_SEGMENTS / 2];
+    s->n = 0;
+    for (int k = 0; k < n; k++) {
+        uint8_t *q = hq + k * 2 * M * smk_act_bytes(I);
+        silu_gate(h + k * M * 2 * I, M, I);
+        act[k] = (Input){h + k * M * 2 * I, M, I, 2 * I, {q, q + M * smk_act_bytes(I)}, {0, 0}};
+        add_product(s, &act[k], types[3 * k + 2], mats[3 * k + 2], D, ys + k * M * D, D, simd);
+    }
+    run_segments(s, I, M);
+    free(s);
+    for (int64_t i = 0; i < M * D; i++) {
+        float acc = ys[i] * weights[0];
+        for (int k = 1; k < n; k++) acc = acc + ys[k * M * D + i] * weights[k];
+        y[i] = acc;
+    }
+    return 0;
+}
+
 /* y [M, rows] (rows ldy apart) = x W^T for float32 x [M, K] (rows side by side) and W stored as
  * n parts one under another, part p being rows[p] rows of type types[p] at w[p]: a fused
  * q/k/v matrix of a Q4_K_M file (Q4_K q and k rows, Q6_K v rows), a bfloat16 matrix (one
- * BF16 part). A block-type part's rows are computed as smk_matmul computes them (x rounded
- * in the activation blocks its type takes, once per width for all parts), a BF16 part's as
- * smk_matmul_bf16 does; all parts are one job for the threads. Returns -1, computing
- * nothing, for a type or width this file does not take. scratch: 2 * M * smk_act_bytes(K). */
+ * BF16 part). Each part's rows are computed as smk_matmul (x rounded once per activation
+ * width for all parts) or smk_matmul_bf16 computes them; all parts are one job for the
+ * threads. Returns -1, computing nothing, for a type or width this file does not take.
+ * scratch: 2 * M * smk_act_bytes(K). */
 int smk_linear(int n, const int *types, const uint8_t *const *w, const int64_t *rows, int64_t K, const float *x,
                int64_t M, float *y, int64_t ldy, uint8_t *scratch, int simd) {
     if (n < 1 || n > MAX_SEGMENTS) return -1;
-    for (int p = 0; p < n; p++) {
-        int values;
-        if (types[p] != T_BF16 && (!block_bytes(types[p], &values) || K % values)) return -1;
-    }
-    Segments s = {0};
-    Bf16 bf[MAX_SEGMENTS];
-    uint8_t *xq[2] = {scratch, scratch + M * smk_act_bytes(K)};  /* blocks of 256, of 32 */
-    int quantized[2] = {0, 0};
+    for (int p = 0; p < n; p++)
+        if (!takes(types[p], K)) return -1;
+    Input in = {x, M, K, K, {scratch, scratch + M * smk_act_bytes(K)}, {0, 0}};
+    Segments *s = malloc(sizeof(Segments));
+    if (!s) return -1;
+    s->n = 0;
+    s->start[0] = 0;
     float *at = y;
-    for (int p = 0; p < n; at += rows[p], p++) {
-        if (types[p] == T_BF16) {
-            bf[p] = (Bf16){(const uint16_t *)w[p], x, K, M, ldy, at, simd && SMK_VNNI && K % 16 == 0};
-            Job j = {0};
-            j.N = rows[p];
-            j.Kp = K;
-            j.M = M;
-            j.range = bf16_rows;
-            j.ctx = &bf[p];
-            push_segment(&s, &j);
-            continue;
-        }
-        int q = smk_act_width(types[p]) == 256 ? 0 : 1;
-        if (!quantized[q]) smk_quantize(x, M, K, K, xq[q], q ? 32 : 256);
-        quantized[q] = 1;
-        add_segment(&s, types[p], w[p], rows[p], K, xq[q], M, at, ldy, simd);
-    }
-    run_segments(&s, K, M);
+    for (int p = 0; p < n; at += rows[p], p++) add_product(s, &in, types[p], w[p], rows[p], at, ldy, simd);
+    run_segments(s, K, M);
+    free(s);
     return 0;
 }
 

@@ -100,14 +100,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.smk_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul.restype = ctypes.c_int
     lib.smk_set_threads.argtypes, lib.smk_set_threads.restype = [ctypes.c_int], None
-    lib.smk_swiglu_scratch.argtypes, lib.smk_swiglu_scratch.restype = [i64, i64, i64], i64
-    lib.smk_swiglu.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ptr,
-                               ctypes.c_int]
-    lib.smk_swiglu.restype = ctypes.c_int
-    lib.smk_token_experts_scratch.argtypes = [ctypes.c_int, i64, i64, i64]
-    lib.smk_token_experts_scratch.restype = i64
-    lib.smk_token_experts.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    lib.smk_token_experts.restype = ctypes.c_int
+    lib.smk_experts_scratch.argtypes, lib.smk_experts_scratch.restype = [ctypes.c_int, i64, i64, i64], i64
+    lib.smk_experts.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.smk_experts.restype = ctypes.c_int
     lib.smk_linear.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, ctypes.c_int]
     lib.smk_linear.restype = ctypes.c_int
     lib.smk_matmul_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
@@ -265,40 +260,30 @@ def matmul_q(xq: tuple[torch.Tensor, int, int], raw: torch.Tensor, type_name: st
 def swiglu(x: torch.Tensor, gate: tuple[torch.Tensor, str], up: tuple[torch.Tensor, str], down: tuple[torch.Tensor, str],
            inter: int, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
     """A gated SiLU expert in one call: down(silu(gate x) * up x) for x [M, D] float32, each
-    matrix as (GGUF bytes, type): gate, up [inter, D], down [D, inter]. The products are
-    `matmul`'s; silu is computed in C (g / (1 + exp(-g)), row by row)."""
-    build = build or library()
-    lib = build.lib
-    x = x.contiguous()
-    M, D = x.shape
-    scratch = torch.empty(lib.smk_swiglu_scratch(M, D, inter), dtype=torch.uint8)
-    y = torch.empty(M, D, dtype=torch.float32)
-    ids = [TYPE_IDS[t] for _, t in (gate, up, down)]
-    if lib.smk_swiglu(ids[0], gate[0].data_ptr(), ids[1], up[0].data_ptr(), ids[2], down[0].data_ptr(), D, inter,
-                      x.data_ptr(), M, y.data_ptr(), scratch.data_ptr(), int(build.simd if simd is None else simd)):
-        raise SpecMoEError(f"internal: the block kernels do not compute a {D}x{inter} expert in "
-                           f"{'/'.join(t for _, t in (gate, up, down))}")
-    return y
+    matrix as (its bytes, type): gate, up [inter, D], down [D, inter]. The products are
+    `matmul`'s (a block type) or `matmul_bf16`'s (BF16); silu is computed in C (g / (1 +
+    exp(-g)), row by row)."""
+    return experts(x, [(gate, up, down)], [1.0], inter, simd, build)
 
 
-def token_experts(x: torch.Tensor, experts: list[tuple[tuple[torch.Tensor, str], ...]], weights: list[float],
-                  inter: int, simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
-    """sum over k of weights[k] * swiglu(x, *experts[k]) for x [M, D] float32 in one call, added
-    in the order given as `y * w` then `out + y` round in float32 (batch-1 decoding: a
-    token's experts). Each expert's output has `swiglu`'s bits; the threads run all the
-    experts' gate and up rows as one job, then all their down rows."""
+def experts(x: torch.Tensor, matrices: list[tuple[tuple[torch.Tensor, str], ...]], weights: list[float], inter: int,
+            simd: bool | None = None, build: Library | None = None) -> torch.Tensor:
+    """sum over k of weights[k] * swiglu(x, *matrices[k]) for x [M, D] float32 in one call,
+    added in the order given as `y * w` then `out + y` round in float32 (batch-1 decoding: a
+    token's experts, as moe.one_token adds them). Each expert's output has the same bits
+    alone; the threads run all the experts' gate and up rows as one job, then their down rows."""
     build = build or library()
     lib = build.lib
-    x = x.contiguous()
+    x = x.float().contiguous()
     M, D = x.shape
-    n = len(experts)
-    mats = [m for expert in experts for m in expert]
+    n = len(matrices)
+    mats = [m for expert in matrices for m in expert]
     types = (ctypes.c_int * (3 * n))(*(TYPE_IDS[t] for _, t in mats))
     pointers = (ctypes.c_void_p * (3 * n))(*(raw.data_ptr() for raw, _ in mats))
-    scratch = torch.empty(lib.smk_token_experts_scratch(n, M, D, inter), dtype=torch.uint8)
+    scratch = torch.empty(lib.smk_experts_scratch(n, M, D, inter), dtype=torch.uint8)
     y = torch.empty(M, D, dtype=torch.float32)
-    if lib.smk_token_experts(n, types, pointers, (ctypes.c_float * n)(*weights), D, inter, x.data_ptr(), M,
-                             y.data_ptr(), scratch.data_ptr(), int(build.simd if simd is None else simd)):
+    if lib.smk_experts(n, types, pointers, (ctypes.c_float * n)(*weights), D, inter, x.data_ptr(), M, y.data_ptr(),
+                       scratch.data_ptr(), int(build.simd if simd is None else simd)):
         raise SpecMoEError(f"internal: the block kernels do not compute {n} {D}x{inter} experts in "
                            f"{'/'.join(t for _, t in mats)}")
     return y
