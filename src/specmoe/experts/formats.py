@@ -85,6 +85,12 @@ class ExpertFormat:
         """The expert on x [T, D] from its stored buffer (the host tier computing it)."""
         raise NotImplementedError
 
+    def forward_token(self, slots: list[torch.Tensor], weights: list[float], x: torch.Tensor) -> torch.Tensor | None:
+        """Batch 1: sum over k of weights[k] * the expert in slots[k] on x [1, D], added in the
+        order given (as moe.one_token adds them), in one kernel call; None where this format
+        computes experts one at a time."""
+        return None
+
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         """Device bytes a forward allocates beside its activations (a dequantized matrix)."""
         return 0

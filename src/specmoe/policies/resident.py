@@ -60,10 +60,9 @@ class ResidentPolicy(Policy):
     def _one_token(self, x: torch.Tensor, routing: Routing, buffers: torch.Tensor, compute) -> torch.Tensor:
         """Batch 1: the token's experts in one kernel call where the format has one (the same
         bits as one call per expert, fewer waits for the threads), else one by one."""
-        whole = getattr(self.format, "forward_token", None)
-        if whole is not None and not routing.scales_input:
+        if not routing.scales_input:
             ids, weights = picks_in_order(routing)
-            y = whole([buffers[e] for e in ids], weights, x)
+            y = self.format.forward_token([buffers[e] for e in ids], weights, x)
             if y is not None:
                 return y
         return one_token(x, routing, compute)
