@@ -54,6 +54,7 @@ class Measured:
     hwm: int | None  # VmHWM at exit: the whole resident set's high-water mark
     file_part: int | None  # RssFile + RssShmem at exit
     cgroup_peak: int | None  # the cgroup's peak, where the child had a cgroup of its own
+    cgroup_page_cache: int | None  # the page cache still charged to that cgroup after the child exited
     killed_at_limit: bool  # the kernel killed the child when it would have passed `limit`
 
     @property
@@ -123,6 +124,7 @@ def run_module(module: str, args: list[str], *, env: dict, status_dir: Path, lim
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
         cgroup_peak = group.peak() if group is not None else None
+        page_cache = group.page_cache() if group is not None else None
         killed = group is not None and group.oom_kills() > 0
     finally:
         if group is not None:
@@ -137,4 +139,5 @@ def run_module(module: str, args: list[str], *, env: dict, status_dir: Path, lim
     else:
         peak = None if hwm is None or file_part is None else hwm - file_part
         method = "VmHWM - RssFile - RssShmem at exit"
-    return Measured(proc.returncode, proc.stdout, proc.stderr, peak, method, hwm, file_part, cgroup_peak, killed)
+    return Measured(proc.returncode, proc.stdout, proc.stderr, peak, method, hwm, file_part, cgroup_peak, page_cache,
+                    killed)

@@ -152,13 +152,18 @@ def test_the_reported_host_peak_is_the_kernels_count_of_the_whole_process(runs):
 
 def test_vmhwm_less_the_file_part_is_the_cgroups_peak(runs):
     """VmHWM less the file-backed part at exit (the peak where no cgroup can be made) is what
-    the cgroup counts (the same and a few MiB of kernel memory), for the runs that write no
-    files (the cgroup counts the page cache a run writes)."""
+    the cgroup counts of the process's own memory (the same and a few MiB of kernel memory),
+    for the runs that write no files: the cgroup's peak less the page cache still charged to
+    it when the run is over. That page cache is what the run brought into memory first. The
+    model's files and the libraries are read before each run (memory_peak.warm), but a busy
+    machine may evict some of them again before the run maps them, and those are then
+    charged to the run: once 30 MiB, six runs at once beside the other test worker."""
     if all(measured.cgroup_peak is None for measured, _ in runs.values()):
         pytest.skip("no memory cgroup can be made here: the peaks are VmHWM less the file-backed part")
     for run in ("specmoe, cached", "ondemand", "caching", "overlap", "specmoe, int4 copies, cached"):
         measured = completed(runs, run)[0]
-        assert -(4 << 20) <= measured.cgroup_peak - measured.hwm_anon <= 16 << 20, (run, measured)
+        own = measured.cgroup_peak - measured.cgroup_page_cache
+        assert -(4 << 20) <= own - measured.hwm_anon <= 16 << 20, (run, measured)
 
 
 def test_every_policy_gives_the_same_tokens(runs):

@@ -98,6 +98,13 @@ class Cgroup:
     def peak(self) -> int:
         return int((self.path / self._peak_file).read_text())
 
+    def page_cache(self) -> int:
+        """Bytes of page cache charged to the cgroup now (files its processes brought into
+        memory first: read, mapped or written), from memory.stat ("file"; v1: "cache")."""
+        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines()
+                    if len(line.split()) == 2)
+        return int(stat.get("file" if self.v2 else "cache", 0))
+
     def join_command(self, cmd: list[str]) -> list[str]:
         """`cmd` run so that it starts inside this cgroup: a shell joins it, then becomes `cmd`
         (every page the command ever holds is counted)."""
