@@ -19,6 +19,7 @@ from specmoe import LLM, SamplingParams  # noqa: E402
 from specmoe.base.errors import SpecMoEError  # noqa: E402
 from specmoe.base.paths import DEMO_MODEL_DIR  # noqa: E402
 from specmoe.base.tokenizer import Tokenizer  # noqa: E402
+from specmoe.kernels import blockdot  # noqa: E402
 from specmoe.tools.gguf_convert import convert  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -142,6 +143,22 @@ def test_info_reports_the_encodings_and_bytes_per_expert_as_stored(mixtral, caps
     stored = info["expert_bytes_as_stored"]["Q8_0/Q8_0/Q8_0"]
     assert stored == 3 * 32 * (64 // 32) * 34  # gate, up: 32 rows of 64; down: 64 rows of 32, 34 bytes a block
     assert info["expert_bytes"] >= stored and info["experts_fit"] > 0 and "specmoe" in info["policies_fit"]
+
+
+@pytest.mark.skipif(not blockdot.available(), reason="the block kernels did not build here")
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_info_names_the_kernels_the_engine_computes_the_experts_with(mixtral, dtype):
+    """`specmoe info` says how the engine computes each expert encoding: as stored by default,
+    dequantized per call under --dtype float32 (it once said the second for both)."""
+    from specmoe.tools.info import model_info
+
+    _, path, _ = mixtral
+    info = model_info(str(path), dtype=dtype, device="cpu")
+    engine = LLM(model=str(path), dtype=dtype, **SHAPE)
+    want = {f"experts {key}": why for key, why in engine.engine.policy.format.kernels.items()}
+    assert {k: v for k, v in info["fused_kernels"].items() if k.startswith("experts")} == want
+    assert all(why.startswith("as stored" if dtype == "auto" else "dequantized per call") for why in want.values())
+    engine.close()
 
 
 @pytest.fixture(scope="module")

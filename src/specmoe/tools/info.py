@@ -16,7 +16,7 @@ from ..base.units import format_bytes, parse_size
 from ..engine.engine import DEFAULT_MAX_MODEL_LEN, MAX_PREFILL_TOKENS, resolve_device, resolve_dtype
 from ..engine.gamma import MAX_GAMMA
 from ..engine.host_memory import check_limit, measure_fixed, plan_limit
-from ..experts.formats import checkpoint_expert_dtype, checkpoint_format, expert_format
+from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
 from ..experts.store import direct_io_support
@@ -76,9 +76,11 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
     stored = blockdot.computes_as_stored(dtype, ckpt.config, resolve_device(device))
     elem = torch.tensor([], dtype=compute_dtype).element_size()
     # what the engine loads: not a vision tower, not multi-token-prediction layers
-    # as the tiers hold and move an expert: a quantized checkpoint's blob, a bfloat16 one's bfloat16 where held so
-    expert_bytes = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
-                                 as_stored(dtype, resolve_device(device))).nbytes
+    # an expert as the engine holds it: as the tiers hold and move it (a quantized checkpoint's blob, a bfloat16
+    # one's bfloat16 where held so), its slot, and the kernels that compute it
+    fmt = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
+                        as_stored(dtype, resolve_device(device)))
+    expert_bytes = fmt.nbytes
     num_experts_total = len(c.moe_layer_ids) * c.num_experts
     max_len = min(max_model_len or DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings)
     kv_per_token = c.kv_elements_per_token * elem
@@ -113,7 +115,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             # each decoder layer also keeps the source's cross-attention K/V (kv_elements_per_sequence)
             kv_cross_bytes_per_source_token=len(c.decoder_layer_ids) * c.attention.kv_elements_per_token * elem,
         )
-    info["fused_kernels"] = fused_kernels(c, compute_dtype, resolve_device(device), stored)
+    info["fused_kernels"] = fused_kernels(c, fmt, resolve_device(device), stored)
     if draft_quant and draft_quant not in ("none", "auto"):
         # relative L2 error of each block's expert outputs with quantized copies (random inputs)
         info["draft_quant_error"] = {
@@ -122,14 +124,10 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             for row in quant_error_report(ckpt, draft_quant)
         }
     if limit_options is not None:
-        fmt = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
-                            as_stored(dtype, resolve_device(device)))
         plan = _limit_plan(info, c, limit_options, fixed, fmt, elem, max_len, compute_dtype)
         device_memory = plan.budget  # below: what fits in it, as for --device-memory
     if device_memory is not None:
-        slot = expert_format(c, compute_dtype, resolve_device(device), checkpoint_expert_dtype(ckpt),
-                             as_stored(dtype, resolve_device(device))).slot_bytes
-        _what_fits(info, c, device_memory, slot, elem, max_len, batch_size)
+        _what_fits(info, c, device_memory, fmt.slot_bytes, elem, max_len, batch_size)
         if limit_options is not None:  # the limit is what it may peak at
             info["host_peak_bound_bytes"] = plan.limit
         elif resolve_device(device).type == "cpu":  # the budget is the process's memory: what it may peak at
@@ -137,8 +135,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             info["host_fixed_bytes"] = anon_rss_bytes()
             info["host_peak_bound_bytes"] = host_bound(info["device_memory"], info["host_fixed_bytes"])
     if draft_memory is not None:
-        slot = expert_format(c, compute_dtype, resolve_device(device)).slot_bytes
-        info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), slot, resolve_device(device),
+        info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), fmt.slot_bytes, resolve_device(device),
                                    compute_dtype, draft_quant or "auto", cache_dir, stored))
     return info
 
@@ -235,11 +232,12 @@ def gguf_compute(ckpt: GGUFCheckpoint, stored: bool) -> dict[str, str]:
     return report
 
 
-def fused_kernels(c, compute_dtype, device, stored: bool = False) -> dict[str, str]:
-    """Which matrices would go through torch's fused CPU kernels here, and why not where not:
-    the checkpoint's own int4 experts, and the int8 and int4 draft copies (quant.device_layout:
-    on the block kernels first where the engine computes as stored, `stored`)."""
-    report = {f"experts {key}": why for key, why in expert_format(c, compute_dtype, device).kernels.items()}
+def fused_kernels(c, fmt: ExpertFormat, device, stored: bool = False) -> dict[str, str]:
+    """Which kernels compute the experts here (`fmt`: as the engine holds them) and their draft
+    copies, and why not torch's fused CPU kernels where not: the checkpoint's own int4
+    experts, and the int8 and int4 draft copies (quant.device_layout: on the block kernels
+    first where the engine computes as stored, `stored`)."""
+    report = {f"experts {key}": why for key, why in fmt.kernels.items()}
     for mode in draft_modes(c.expert_quant):
         choices = draft_kernel_choices(c.expert, mode, device, stored)
         notes = kernel_notes([(BITS[mode], *m) for m in expert_matrices(c.expert)], choices, device, stored)
