@@ -228,8 +228,8 @@ def test_a_bfloat16_expert_in_one_call_is_its_bfloat16_products(simd):
     assert float((y - want).norm() / want.norm()) < 1e-5  # silu in C and in torch round apart
     assert torch.equal(blockdot.swiglu(x[3:4], (gate, "BF16"), (up, "BF16"), (down, "BF16"), I, simd=simd)[0], y[3])
     # the activation's rows are 2I apart in the down product's input: every row, not only the first
-    assert all(torch.equal(blockdot.swiglu(x[m:m + 1], (gate, "BF16"), (up, "BF16"), (down, "BF16"), I, simd=simd)[0], y[m])
-               for m in range(5))
+    matrices = ((gate, "BF16"), (up, "BF16"), (down, "BF16"))
+    assert all(torch.equal(blockdot.swiglu(x[m:m + 1], *matrices, I, simd=simd)[0], y[m]) for m in range(5))
 
 
 @pytest.mark.parametrize("d", [32, 20])  # 20: the eight running sums' tail

@@ -135,8 +135,8 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
             info["host_fixed_bytes"] = anon_rss_bytes()
             info["host_peak_bound_bytes"] = host_bound(info["device_memory"], info["host_fixed_bytes"])
     if draft_memory is not None:
-        info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), fmt.slot_bytes, resolve_device(device),
-                                   compute_dtype, draft_quant or "auto", cache_dir, stored))
+        info.update(describe_draft(ckpt, draft_memory, info.get("device_memory"), fmt.slot_bytes,
+                                   resolve_device(device), compute_dtype, draft_quant or "auto", cache_dir, stored))
     return info
 
 
