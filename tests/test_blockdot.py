@@ -116,7 +116,11 @@ def _build_from(source: str, tmp_path: Path) -> Path:
      "if (n1 > n0) { j->range(j, n0, n1); if (j->M > 8) j->y[(j->M - 1) * j->ldy + n0] *= 1.0000001f; }"),
     ("acc[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w + c * K + k), acc[c]);",  # a router's product unfused
      "acc[c] = _mm512_add_ps(_mm512_mul_ps(xv, _mm512_loadu_ps(w + c * K + k)), acc[c]);"),
-], ids=["q8_0-offset", "q4_k-min", "batch-dependent", "f32-unfused"])
+    ("for (int k = 1; k < n; k++) acc = acc + ys[k * M * D + i] * weights[k];",  # experts added with one rounding
+     "for (int k = 1; k < n; k++) acc = fmaf(ys[k * M * D + i], weights[k], acc);"),
+    ("s->start[s->n + 1] = s->start[s->n] + N;",  # a job of several products that skips a segment's last row
+     "s->start[s->n + 1] = s->start[s->n] + N - (s->n > 0);"),
+], ids=["q8_0-offset", "q4_k-min", "batch-dependent", "f32-unfused", "experts-fused-sum", "segment-short"])
 def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, tmp_path):
     source = blockdot.SOURCE.read_text()
     assert mutation[0] in source

@@ -82,16 +82,16 @@ class GGUFFormat:
 
     def forward_stored(self, stored: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The expert on x [T, D] from its blob, in x's dtype."""
+        D, I = self.spec.hidden, self.spec.inter
+        one_call = self._one_call(stored, x)
+        if one_call is not None:
+            return blockdot.swiglu(x, *one_call, I)
         types = self._types(stored)
         sec = self._sections[types]
-        D, I = self.spec.hidden, self.spec.inter
 
         def raw(name: str) -> torch.Tensor:
             offset, n = sec[name]
             return stored[offset:offset + n]
-
-        if self._fused and all(self._blocks(t, x) for t in types):
-            return blockdot.swiglu(x, (raw("gate"), types[0]), (raw("up"), types[1]), (raw("down"), types[2]), I)
 
         def matrix(name: str, type_name: str, rows: int, cols: int) -> torch.Tensor:
             return dequantize(raw(name), type_name, rows, cols, x.dtype)
@@ -119,17 +119,22 @@ class GGUFFormat:
         moe.one_token adds them), in one kernel call (blockdot.experts); None where
         these experts are computed one at a time (not gated SiLU, a type or dtype the
         kernels do not take)."""
+        experts = [self._one_call(blob, x) for blob in blobs]
+        if any(m is None for m in experts):
+            return None
+        return blockdot.experts(x, experts, weights, self.spec.inter)
+
+    def _one_call(self, blob: torch.Tensor, x: torch.Tensor) -> tuple[tuple[torch.Tensor, str], ...] | None:
+        """The expert's gate, up and down as (bytes, type) where the kernels compute it in one
+        call (a gated SiLU expert, every matrix multiplied in its blocks), else None."""
         if not self._fused:
             return None
-        experts = []
-        for blob in blobs:
-            types = self._types(blob)
-            if not all(self._blocks(t, x) for t in types):
-                return None
-            sec = self._sections[types]
-            experts.append(tuple((blob[sec[name][0]:sec[name][0] + sec[name][1]], t)
-                                 for name, t in zip(("gate", "up", "down"), types)))
-        return blockdot.experts(x, experts, weights, self.spec.inter)
+        types = self._types(blob)
+        if not all(self._blocks(t, x) for t in types):
+            return None
+        sec = self._sections[types]
+        return tuple((blob[sec[name][0]:sec[name][0] + sec[name][1]], t)
+                     for name, t in zip(("gate", "up", "down"), types))
 
     def _blocks(self, type_name: str, x: torch.Tensor) -> bool:
         """Whether this matrix is multiplied in its blocks: asked for, a type the kernels

@@ -735,12 +735,20 @@ void smk_quantize(const float *x, int64_t M, int64_t K, int64_t ldx, uint8_t *xq
 /* y[m, n] (rows ldy apart) = activation row m . weight row n, for W [N, K] of `type`,
  * rows row_bytes apart. simd 0 takes the portable path. Returns 0, or -1 for a type or
  * width this file does not compute. */
+/* The job of xq (M activation rows of K, quantized) times W [N, K] of a block type whose
+ * rows are row_bytes apart, into y (rows ldy apart). */
+static Job block_job(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const uint8_t *xq,
+                     int64_t M, float *y, int64_t ldy, int simd) {
+    Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, row_bytes, M, smk_act_bytes(K), ldy, xq, y,
+             simd && SMK_VNNI, run_rows, NULL};
+    return j;
+}
+
 int smk_matmul(int type, const uint8_t *w, int64_t N, int64_t K, int64_t row_bytes, const uint8_t *xq, int64_t M,
                float *y, int64_t ldy, int simd) {
     int values, bytes = block_bytes(type, &values);
     if (!bytes || K % values || row_bytes < K / values * bytes) return -1;
-    Job j = {type, w, N, K, (K + CHUNK - 1) / CHUNK * CHUNK, row_bytes, M, smk_act_bytes(K), ldy, xq, y,
-             simd && SMK_VNNI, run_rows, NULL};
+    Job j = block_job(type, w, N, K, row_bytes, xq, M, y, ldy, simd);
     run(&j);
     return 0;
 }
@@ -912,15 +920,24 @@ static void bf16_rows(const Job *j, int64_t n0, int64_t n1) {
     }
 }
 
-void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy,
-                     int simd) {
-    Bf16 a = {w, x, K, M, K, ldy, y, simd && SMK_VNNI && K % 16 == 0};
+/* The job of x (M rows of K floats, ldx apart) times bfloat16 W [N, K] into y (rows ldy
+ * apart); `a` holds what its rows read and must outlive the job. */
+static Job bf16_job(Bf16 *a, const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                    float *y, int64_t ldy, int simd) {
+    *a = (Bf16){w, x, K, M, ldx, ldy, y, simd && SMK_VNNI && K % 16 == 0};
     Job j = {0};
     j.N = N;
     j.Kp = K;  /* the work per unit, for run's small-job rule */
     j.M = M;
     j.range = bf16_rows;
-    j.ctx = &a;
+    j.ctx = a;
+    return j;
+}
+
+void smk_matmul_bf16(const uint16_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t ldy,
+                     int simd) {
+    Bf16 a;
+    Job j = bf16_job(&a, w, N, K, x, K, M, y, ldy, simd);
     run(&j);
 }
 
@@ -954,32 +971,14 @@ static int takes(int type, int64_t K) {
 /* The product in->x W^T for W [N, K] of `type` as the next segment, into y (rows ldy apart). */
 static void add_product(Segments *s, Input *in, int type, const uint8_t *w, int64_t N, float *y, int64_t ldy,
                         int simd) {
-    Job j = {0};
-    j.N = N;
-    j.K = in->K;
-    j.M = in->M;
-    j.ldy = ldy;
-    j.y = y;
     if (type == T_BF16) {
-        s->bf[s->n] = (Bf16){(const uint16_t *)w, in->x, in->K, in->M, in->ldx, ldy, y,
-                             simd && SMK_VNNI && in->K % 16 == 0};
-        j.Kp = in->K;
-        j.range = bf16_rows;
-        j.ctx = &s->bf[s->n];
+        s->seg[s->n] = bf16_job(&s->bf[s->n], (const uint16_t *)w, N, in->K, in->x, in->ldx, in->M, y, ldy, simd);
     } else {
         int values, bytes = block_bytes(type, &values), q = smk_act_width(type) == 256 ? 0 : 1;
         if (!in->made[q]) smk_quantize(in->x, in->M, in->K, in->ldx, in->q[q], q ? 32 : 256);
         in->made[q] = 1;
-        j.type = type;
-        j.w = w;
-        j.Kp = (in->K + CHUNK - 1) / CHUNK * CHUNK;
-        j.row_bytes = in->K / values * bytes;
-        j.act = smk_act_bytes(in->K);
-        j.xq = in->q[q];
-        j.simd = simd && SMK_VNNI;
-        j.range = run_rows;
+        s->seg[s->n] = block_job(type, w, N, in->K, in->K / values * bytes, in->q[q], in->M, y, ldy, simd);
     }
-    s->seg[s->n] = j;
     s->start[s->n + 1] = s->start[s->n] + N;
     s->n++;
 }

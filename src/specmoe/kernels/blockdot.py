@@ -8,8 +8,8 @@ loaded with ctypes: nothing to install beyond a C compiler, which pip's own buil
 anyway. Before a build is used, a child process (`python -m
 specmoe.kernels.blockdot_check`) multiplies random blocks of every type through it, on
 both of its paths (AVX-512 VNNI and portable C), and compares with the blocks dequantized
-by base/gguf_quants.py and multiplied in float64: a build that crashes there, or misses, is never loaded into the
-engine, and the matrices take the dequantizing path with a one-line warning
+by base/gguf_quants.py and multiplied in float64: a build that crashes there, or misses,
+is never loaded into the engine, and the matrices take the dequantizing path with a one-line warning
 (`available()` says why). `SPECMOE_BLOCKDOT=off` turns it off; `=portable` keeps the
 portable C path only.
 

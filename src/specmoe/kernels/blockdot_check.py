@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ..base.gguf_quants import BLOCKS, dequantize
-from .blockdot import TYPES, Library, act_width, load, matmul, matmul_bf16, matmul_f32
+from .blockdot import (TYPES, Library, Parts, act_width, experts, linear_parts, load, matmul, matmul_bf16,
+                       matmul_f32)
 
 CHECK_ROWS = (1, 3, 16)
 TOLERANCE = 1e-4  # relative L2 error against the same 8-bit activations in float64: float32 rounding only
@@ -85,7 +86,7 @@ def self_check(lib_path: str) -> dict:
                     return {"ok": False, "why": f"self-check: {t} AVX-512 and portable paths differ"}
                 if M > 1 and not torch.equal(paths[-1][-1], matmul(x[-1:], raw, t, N, build=build)[0]):
                     return {"ok": False, "why": f"self-check: {t} gives a row other bits among {M} rows than alone"}
-    why = _check_float(build, simd, gen)
+    why = _check_float(build, simd, gen) or _check_composed(build, simd, gen)
     if why:
         return {"ok": False, "why": f"self-check: {why}"}
     return {"ok": True, "why": f"self-check passed (relative error at most {worst:.1e})"}
@@ -108,6 +109,42 @@ def _check_float(build: Library, simd: bool, gen: torch.Generator) -> str | None
                 return f"{kind}: the AVX-512 and portable paths differ"
             if M > 1 and not torch.equal(paths[-1][-1], product(x[-1:], w, None)[0]):
                 return f"{kind} gives a row other bits among {M} rows than alone"
+    return None
+
+
+def _check_composed(build: Library, simd: bool, gen: torch.Generator) -> str | None:
+    """What is wrong with the calls that run several products as one job (a matrix of parts
+    in several encodings; gated SiLU experts, weighted and added), or None: each must give
+    the bits of its products called one by one, on both paths, and an expert its products
+    with silu between them."""
+    D, I = 256, 512
+
+    def matrix(t, rows, cols):
+        return torch.randn(rows, cols, generator=gen).bfloat16() if t == "BF16" else random_blocks(t, rows, cols, gen)
+
+    def product(x, w, t, rows, s):
+        return matmul_bf16(x, w, rows, simd=s, build=build) if t == "BF16" else matmul(x, w, t, rows, simd=s, build=build)
+
+    kinds = (("Q4_K", "Q4_K", "Q6_K"), ("BF16", "Q8_0", "BF16"))
+    mats = [tuple((matrix(t, r, c), t) for t, (r, c) in zip(kind, ((I, D), (I, D), (D, I)))) for kind in kinds]
+    for M, s in itertools.product((1, 3), (False, True) if simd else (False,)):
+        x = torch.randn(M, D, generator=gen)
+        parts = [(w, t, I) for w, t in mats[0][:2] + mats[1][:2]]
+        whole = linear_parts(x, Parts.of(parts, D), simd=s, build=build)
+        if not torch.equal(whole, torch.cat([product(x, w, t, I, s) for w, t, _ in parts], 1)):
+            return f"a matrix of parts (M={M}) is not its parts' products"
+        singles = []
+        for (gate, gt), (up, ut), (down, dt) in mats:
+            h = torch.nn.functional.silu(product(x, gate, gt, I, s)) * product(x, up, ut, I, s)
+            got = experts(x, [((gate, gt), (up, ut), (down, dt))], [1.0], I, simd=s, build=build)
+            want = product(h, down, dt, D, s).double()
+            if float((got.double() - want).norm() / want.norm()) > 1e-3:  # silu in C and in torch round apart
+                return f"a {gt}/{ut}/{dt} expert (M={M}) is not its products with silu between"
+            singles.append(got)
+        weights = torch.rand(2, generator=gen)
+        both = experts(x, mats, weights.tolist(), I, simd=s, build=build)
+        if not torch.equal(both, singles[0] * weights[0] + singles[1] * weights[1]):
+            return f"two experts in one call (M={M}) are not each expert weighted and added in order"
     return None
 
 
