@@ -236,6 +236,26 @@ def test_a_bfloat16_expert_in_one_call_is_its_bfloat16_products(simd):
     assert all(torch.equal(blockdot.swiglu(x[m:m + 1], *matrices, I, simd=simd)[0], y[m]) for m in range(5))
 
 
+@pytest.mark.parametrize("simd", PATHS, ids=lambda s: "avx512" if s else "portable")
+def test_a_row_of_a_matrix_of_parts_and_of_an_expert_gives_the_same_bits_alone_and_among_up_to_1088(simd):
+    """The calls that run several products as one job (a packed matrix's parts, an expert's
+    gate, up, silu and down) are batch-invariant like the products they are made of."""
+    D, I = 256, 512
+    gen = torch.Generator().manual_seed(14)
+    q, v = blockdot_check.random_blocks("Q4_K", 40, D, gen), blockdot_check.random_blocks("Q8_0", 24, D, gen)
+    bf = torch.randn(8, D, generator=gen).bfloat16()
+    parts = blockdot.Parts.of([(q, "Q4_K", 40), (v, "Q8_0", 24), (bf, "BF16", 8)], D)
+    expert = ((blockdot_check.random_blocks("Q4_K", I, D, gen), "Q4_K"), (torch.randn(I, D, generator=gen).bfloat16(),
+              "BF16"), (blockdot_check.random_blocks("Q6_K", D, I, gen), "Q6_K"))
+    rows = torch.randn(1088, D, generator=gen)
+    for f in (lambda x: blockdot.linear_parts(x, parts, simd=simd), lambda x: blockdot.swiglu(x, *expert, I, simd=simd)):
+        alone = torch.cat([f(rows[i:i + 1]) for i in (0, 700, 1087)])
+        for m in (2, 17, 272, 1088):
+            got = f(torch.cat([rows[:m - 1], rows[1087:]]) if m < 1088 else rows)
+            assert torch.equal(got[0], alone[0]) and torch.equal(got[-1], alone[2])
+        assert torch.equal(f(rows)[700], alone[1])
+
+
 @pytest.mark.parametrize("d", [32, 20])  # 20: the eight running sums' tail
 def test_attention_gives_a_query_row_the_same_bits_alone_and_among_others(d):
     gen = torch.Generator().manual_seed(11)
