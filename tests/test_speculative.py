@@ -376,3 +376,47 @@ def test_by_default_gamma_adapts_and_the_statistics_say_how_many_steps_decoded_p
     assert not fixed.options.adapt_gamma and fixed.engine.decoder.tuner is None  # a gamma asked for is kept
     fixed.close()
     llm.close()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_draft_set_follows_verification_without_reading_an_expert(reference, tmp_path, batch):
+    """After the first draft set, every expert read is one a block ran or a prefetch
+    predicted: the next draft set is taken from the experts a verify pass has just used,
+    block by block, while they are still in the pool (a refresh after the whole pass read
+    the first blocks' experts again, evicted by the later blocks')."""
+    path, prompts, sha, budget, _ = reference
+    llm = spec_llm(path, budget, tmp_path, gamma=3, max_batch_size=batch)
+    runtime = llm.engine.policy.runtime
+    tight = budget - int(0.2 * runtime.expert_bytes * len(runtime.expert_keys))  # 30 %: blocks evict each other's
+    llm.close()
+    llm = spec_llm(path, tight, tmp_path, gamma=3, max_batch_size=batch)
+    policy = llm.engine.policy
+    reads, inside = {"block": 0, "other": 0}, []
+
+    def counted(original, why):
+        def call(*args, **kwargs):
+            inside.append(why)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    fetch = policy.transfer.fetch
+
+    def watched_fetch(key):
+        started = fetch(key)
+        if started:  # a refresh is a block's only where a prefill chooses the first draft set
+            legit = inside and (inside[-1] != "refresh" or policy.pass_kind == "prefill")
+            reads["block" if legit else "other"] += 1
+        return started
+
+    policy.transfer.fetch = watched_fetch
+    policy.blocks.run_block = counted(policy.blocks.run_block, "block")
+    policy.blocks.prefetch = counted(policy.blocks.prefetch, "prefetch")
+    policy.prefetch_for_verify = counted(policy.prefetch_for_verify, "predicted")
+    policy.refresh = counted(policy.refresh, "refresh")
+    llm.generate(prompts, GREEDY)
+    assert reads["block"] > 0 and reads["other"] == 0, reads
+    assert llm.last_stats["token_ids_sha256"] == sha
+    llm.close()

@@ -24,13 +24,15 @@ class HotnessCounter:
         if self.totals is not None:
             self.totals[layer] += picks
 
-    def hottest(self, layer: int, n: int, tie_break: list[int] | None = None, whole_run: bool = False) -> list[int]:
-        """The n most selected experts of `layer` in the window (or the whole run); ties go
-        to `tie_break`'s order (the current draft set first, so that a refresh moves as
-        little as possible)."""
+    def hottest(self, layer: int, n: int, tie_break: list[int] | None = None, whole_run: bool = False,
+                among: list[int] | None = None) -> list[int]:
+        """The n most selected experts of `layer` in the window (or the whole run), of
+        `among` where given; ties go to `tie_break`'s order (the current draft set first,
+        so that a refresh moves as little as possible)."""
         counts = (self.totals if whole_run else self.counts)[layer].tolist()
         preferred = {e: i for i, e in enumerate(tie_break or [])}
-        order = sorted(range(len(counts)), key=lambda e: (-counts[e], preferred.get(e, len(counts)), e))
+        candidates = range(len(counts)) if among is None else among
+        order = sorted(candidates, key=lambda e: (-counts[e], preferred.get(e, len(counts)), e))
         return sorted(order[:n])
 
     def reset(self) -> None:
