@@ -292,8 +292,31 @@ def main(argv=None) -> int:
                           f"{record['cgroup_peak_bytes'] / 2**30:.2f} GiB, oom {record['oom_kills']}"
                           + (f", {record['error']}" if "error" in record else ""), file=sys.stderr, flush=True)
                     write(doc, records, args.json)  # a run cut short keeps what it measured
+    doc["ceiling"] = ceiling(model, prompts, batches, args, max_model_len, files, workdir)
     print(json.dumps(write(doc, records, args.json)["summary"], indent=1))
     return 0
+
+
+def ceiling(model: Path, prompts, batches, args, max_model_len: int, files, workdir: Path) -> list[dict]:
+    """What this machine computes with every weight in memory and nothing read: specmoe's
+    resident policy, once per batch size, in a cgroup as large as the machine's memory (its
+    peak is measured, nothing is capped). No policy that reads experts decodes faster per
+    verified row, so a goal above this figure is above what the machine computes."""
+    out = []
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for batch in batches:
+        spec = {"model": str(model), "batch": batch, "prompts": prompts[: max(batch, 2)], "engine": "specmoe",
+                "max_tokens": args.max_tokens, "threads": args.threads, "policy": "resident",
+                "offload_dir": str(workdir / "offload"), "cap": None, "max_model_len": max_model_len}
+        from specmoe.engine.stats import token_ids_sha256
+
+        record = run_capped(spec, memory, files, workdir)
+        if "token_ids" in record:
+            record["sha256"] = token_ids_sha256(record.pop("token_ids"))
+        out.append(record)
+        print(f"every weight in memory B={batch}: {record.get('decode_tokens_per_s', 0):.2f} tok/s"
+              + (f", {record['error']}" if "error" in record else ""), file=sys.stderr, flush=True)
+    return out
 
 
 def write(doc: dict, records: list[dict], path: str | None) -> dict:

@@ -61,6 +61,23 @@ def test_a_run_killed_at_the_cap_is_never_met_and_the_table_says_so():
     assert "| no |" in section.memory(doc)  # not within the cap in every run
 
 
+def test_the_ceiling_is_the_most_rows_per_second_any_batch_size_computed_in_memory():
+    """Each goal beside resident's speed with nothing read: the largest of its runs bounds
+    every batch size (a verify pass computes B (gamma + 1) rows), and a run whose tokens
+    differ from SpecMoE's under the cap says so."""
+    from specmoe.engine.stats import token_ids_sha256
+
+    [row] = rows((1.2, 1.1, 1.3))  # llama.cpp at 10 tok/s: the 5x goal asks 50
+    sha = token_ids_sha256([[1, 2]])
+    doc = {"summary": [row], "ceiling": [{"batch_size": 16, "decode_tokens_per_s": 20.0, "sha256": sha},
+                                         {"batch_size": 64, "decode_tokens_per_s": 40.0, "sha256": "other"}]}
+    table = section.ceiling(doc)
+    assert "| 16 | 5x | 50.00 | 20.00 | 40.00 (B = 64) | 1.25x | yes |" in table
+    doc["ceiling"][0]["sha256"] = "other"
+    assert table.replace("| yes |", "| no |") == section.ceiling(doc)
+    assert section.ceiling({"summary": [row]}) == ""  # a document from before the ceiling runs
+
+
 def test_a_cap_without_a_goal_is_reported_without_one():
     [row] = rows((1.2, 1.3, 1.4), share=0.7)
     assert "–" in section._verdict(row) and section._goal(row) is None
