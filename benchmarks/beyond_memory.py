@@ -302,14 +302,14 @@ def ceiling(model: Path, prompts, batches, args, max_model_len: int, files, work
     resident policy, once per batch size, in a cgroup as large as the machine's memory (its
     peak is measured, nothing is capped). No policy that reads experts decodes faster per
     verified row, so a goal above this figure is above what the machine computes."""
+    from specmoe.engine.stats import token_ids_sha256
+
     out = []
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for batch in batches:
         spec = {"model": str(model), "batch": batch, "prompts": prompts[: max(batch, 2)], "engine": "specmoe",
                 "max_tokens": args.max_tokens, "threads": args.threads, "policy": "resident",
                 "offload_dir": str(workdir / "offload"), "cap": None, "max_model_len": max_model_len}
-        from specmoe.engine.stats import token_ids_sha256
-
         record = run_capped(spec, memory, files, workdir)
         if "token_ids" in record:
             record["sha256"] = token_ids_sha256(record.pop("token_ids"))

@@ -623,10 +623,10 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
      * row is read from memory once per block of weight rows, not once per weight row (a
      * prefill's rows outgrow the caches: 1,024 rows ran 1.9x as fast). Each output is the
      * same dot whatever the blocks, so a row's bits do not depend on how many share the call. */
-    size_t scratch = ((size_t)j->Kp + 2 * (size_t)(j->Kp / 16) * sizeof(float) + 63) / 64 * 64;
-    uint8_t *buf = aligned_alloc(64, ROW_BLOCK * scratch);
-    if (!buf) return;
     int block = j->M > ACT_BLOCK ? ROW_BLOCK : 1;  /* a few rows: one weight row at a time was faster */
+    size_t scratch = ((size_t)j->Kp + 2 * (size_t)(j->Kp / 16) * sizeof(float) + 63) / 64 * 64;
+    uint8_t *buf = aligned_alloc(64, block * scratch);
+    if (!buf) return;
     for (int64_t n = n0; n < n1; n += block) {
         int rows = n1 - n < block ? (int)(n1 - n) : block;
         for (int r = 0; r < rows; r++) {
