@@ -120,7 +120,12 @@ def _build_from(source: str, tmp_path: Path) -> Path:
      "for (int k = 1; k < n; k++) acc = fmaf(ys[k * M * D + i], weights[k], acc);"),
     ("s->start[s->n + 1] = s->start[s->n] + N;",  # a job of several products that skips a segment's last row
      "s->start[s->n + 1] = s->start[s->n] + N - (s->n > 0);"),
-], ids=["q8_0-offset", "q4_k-min", "batch-dependent", "f32-unfused", "experts-fused-sum", "segment-short"])
+    ("u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x88);",  # Q4_K's AVX-512 codes in value order, not slot order
+     "u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);"),
+    ("s[lane_group(2 * h, l)], f[h][l]);",  # the portable path's block pairs scaled by another group's scale
+     "s[lane_group(h, l)], f[h][l]);"),
+], ids=["q8_0-offset", "q4_k-min", "batch-dependent", "f32-unfused", "experts-fused-sum", "segment-short",
+        "q4_k-value-order", "portable-pair-scale"])
 def test_the_self_check_refuses_a_build_that_computes_something_else(mutation, tmp_path):
     source = blockdot.SOURCE.read_text()
     assert mutation[0] in source

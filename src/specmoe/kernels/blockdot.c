@@ -14,12 +14,18 @@
  *     or eight 32-value blocks) into unsigned 8-bit codes u and, per 16 values, a float
  *     scale ws and offset wm, so that each weight is ws * u + wm. Every block type is one
  *     unpacker into this form (a signed code q becomes u = q + c with wm = -c * ws).
- *   - Dot product of one activation row and one weight row, in 16 float lanes: lane l of
- *     vector i (i = 0..3, 64 values each) adds the exact integer sum of its 4 products
- *     u * xq times ws * xs16 of its 16-value group (one fused multiply-add per chunk and
- *     vector, in chunk order, each vector i into lanes of its own); a fifth set of 16 lanes
- *     adds wm * xsum16. At the end the sets are added lane by lane, ((f0 + f1) + (f2 + f3))
- *     + g, and the 16 lanes summed as a fixed tree.
+ *   - Both keep a chunk's 16 groups of 16 values in "slot order" (to_slots below): vector i
+ *     (i = 0..3, 64 bytes) holds in its 32-bit lane l four values of group lane_group(i, l),
+ *     and the two vectors of a half, 2h and 2h + 1, hold the two groups of one 32-value
+ *     block in the same lane.
+ *   - Dot product of one activation row and one weight row, in 16 float lanes. Where a
+ *     32-value block has one scale ("paired" types: all but Q2_K, Q3_K and Q6_K), lane l
+ *     of set h (h = 0, 1) adds the exact integer sum of the 8 products u * xq of vectors
+ *     2h and 2h + 1 times ws * xs16 of their group (one fused multiply-add per chunk and
+ *     half, in chunk order); at the end (f0 + f1) + g. Where each 16 values have their own
+ *     scale, lane l of set i adds vector i's 4 products times its group's ws * xs16, and
+ *     the end is ((f0 + f1) + (f2 + f3)) + g. A last set g adds wm * xsum16, and the 16
+ *     lanes are summed as a fixed tree.
  * So an output element depends only on its own activation row and weight row, summed in
  * one order whatever the number of rows in the call or the thread that computes it: the
  * product is batch-invariant by construction, and the AVX-512 VNNI path (vpdpbusd) and the
@@ -50,6 +56,28 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, 
        T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, T_MXFP4 = 39 };
 
 int smk_simd(void) { return SMK_VNNI; }
+
+/* --- slot order: where a chunk keeps its 16 groups of 16 values ------------------------------- */
+
+/* Each half of a chunk (values 128 h to 128 h + 127) keeps its 8 groups in bit-reversed order,
+ * so that vector 2h + j, 32-bit lane l, holds group 8 h + SLOT_GROUP[l / 4] + j: the lanes of
+ * vectors 2h and 2h + 1 hold the two halves of one 32-value block, whose integer products
+ * one accumulator can add where the block has one scale. It is the order a 64-byte load of
+ * Q4_K nibbles gives, so Q4_K's unpacker pays nothing for it. */
+static const int SLOT_GROUP[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+static inline int lane_group(int i, int l) { return 8 * (i / 2) + SLOT_GROUP[l / 4] + i % 2; }
+
+/* A chunk of 256 codes from value order into slot order. */
+static void to_slots(uint8_t *chunk) {
+    uint8_t t[CHUNK];
+    memcpy(t, chunk, CHUNK);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 8; s++) memcpy(chunk + 128 * h + 16 * s, t + 128 * h + 16 * SLOT_GROUP[s], 16);
+}
+
+/* Whether a type's two 16-value groups of a 32-value block share one scale and offset. */
+static inline int paired(int type) { return type != T_Q2_K && type != T_Q3_K && type != T_Q6_K; }
 
 static inline float f16(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -258,18 +286,18 @@ static inline __attribute__((always_inline)) void unpack256(int type, const uint
  * unpack256 (the same float products), a few vector operations per super-block instead of
  * hundreds of byte operations. */
 
-/* The AVX-512 unpackers give a chunk in registers: four vectors of 64 codes (values 64 i to
- * 64 i + 63), the scales and the offsets of its 16 groups. Stored (unpack_*_avx512) they are
- * what the portable unpackers write; a product of a few rows dots them where they are
+/* The AVX-512 unpackers give a chunk in registers: four vectors of 64 codes in slot order,
+ * the scales and the offsets of its 16 groups. Stored (unpack_*_avx512) they are what the
+ * portable unpackers write; a product of a few rows dots them where they are
  * (row_dots_fused). */
 static inline void q4k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    for (int h = 0; h < 2; h++) {  /* 64 bytes: groups 2h and 2h + 1, low nibbles then high */
+    for (int h = 0; h < 2; h++) {  /* 64 bytes: half h; 16 bytes' low nibbles are group 8h + 0, 1, 4, 5, high 2, 3, 6, 7 */
         __m512i q = _mm512_loadu_si512((const void *)(b + 16 + 64 * h));
         __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-        u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x44);
-        u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+        u[2 * h] = _mm512_shuffle_i64x2(lo, hi, 0x88);      /* groups 0, 4, 2, 6 */
+        u[2 * h + 1] = _mm512_shuffle_i64x2(lo, hi, 0xDD);  /* groups 1, 5, 3, 7 */
     }
     /* the 6-bit scales and mins (sc0..7, m0..7 as scale_min_k4 gives them) from the 12 bytes
      * as words d, m, md: sc0-3 = d & 63, sc4-7 = md & 15 | (d >> 2) & 48, the mins likewise
@@ -290,33 +318,44 @@ static inline void q4k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *
     *wm = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dm), _mm512_set1_epi32((int)0x80000000)));
 }
 
+/* Q6_K: half n is 64 bytes of low 4 bits (value l: byte l % 32 + 32 * (l / 32 % 2), nibble
+ * l / 64) and 32 of high 2 bits (byte l % 32, bits 2 * (l / 32)). Vector 2n + j of slot order
+ * holds groups 0, 4, 2, 6 (+ j): the nibbles of 16 bytes taken twice, and the 2 bits of the
+ * same 16 high bytes (0-1, 4-5, 2-3, 6-7) rotated to bits 4-5, one lane each. */
 static inline void q6k_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    for (int n = 0; n < 2; n++) {  /* halves of 128 values: 64 bytes of low nibbles, 32 of 2-bit highs */
+    const __m512i nibble = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0), high = _mm512_set_epi64(62, 62, 2, 2, 0, 0, 4, 4);
+    for (int n = 0; n < 2; n++) {
         __m512i L = _mm512_loadu_si512((const void *)(b + 64 * n));
-        __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n)));
-        __m512i h01 = _mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2));
-        __m512i h23 = _mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2));
-        u[2 * n] = _mm512_or_si512(_mm512_and_si512(L, m4), _mm512_and_si512(h01, m30));
-        u[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4), _mm512_and_si512(h23, m30));
+        for (int j = 0; j < 2; j++) {
+            __m512i lo = j ? _mm512_shuffle_i64x2(L, L, 0xF5) : _mm512_shuffle_i64x2(L, L, 0xA0);
+            __m512i H = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 128 + 32 * n + 16 * j)));
+            u[2 * n + j] = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi64(lo, nibble), m4),
+                                           _mm512_and_si512(_mm512_rolv_epi64(H, high), m30));
+        }
     }
     __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
     *ws = _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc);
     *wm = _mm512_mul_ps(_mm512_set1_ps(-32.0f), *ws);
 }
 
-/* Eight whole Q8_0 blocks (a chunk): codes xor 0x80 (q + 128), scale d and offset -128 d per 32. */
+/* Eight whole Q8_0 blocks (a chunk): codes xor 0x80 (q + 128), scale d and offset -128 d per 32.
+ * Blocks 4h to 4h + 3 as [0 | 2] and [1 | 3] give, 16 bytes at a time, slot order's halves. */
 static inline void q8_0_regs(const uint8_t *b, __m512i u[4], __m512 *ws, __m512 *wm) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     uint16_t h[8];
-    for (int i = 0; i < 4; i++) {
-        const uint8_t *q = b + 68 * i;
-        __m256i lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 2)), flip);
-        __m256i hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 36)), flip);
-        u[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        h[2 * i] = (uint16_t)(q[0] | (q[1] << 8));
-        h[2 * i + 1] = (uint16_t)(q[34] | (q[35] << 8));
+    for (int k = 0; k < 8; k++) h[k] = (uint16_t)(b[34 * k] | (b[34 * k + 1] << 8));
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *q = b + 136 * half + 2;
+        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q)),
+                                       _mm256_loadu_si256((const __m256i *)(q + 68)), 1);
+        __m512i y = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 34))),
+                                       _mm256_loadu_si256((const __m256i *)(q + 102)), 1);
+        x = _mm512_xor_si512(x, flip);
+        y = _mm512_xor_si512(y, flip);
+        u[2 * half] = _mm512_shuffle_i64x2(x, y, 0x88);      /* groups 0, 4, 2, 6 */
+        u[2 * half + 1] = _mm512_shuffle_i64x2(x, y, 0xDD);  /* groups 1, 5, 3, 7 */
     }
     *ws = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h))));
     *wm = _mm512_mul_ps(_mm512_set1_ps(-128.0f), *ws);
@@ -363,10 +402,11 @@ static inline void unpack_q8_0_avx512(const uint8_t *b, uint8_t *u, float *ws, f
     __mmask16 keep = (__mmask16)((1u << (2 * blocks)) - 1);
     _mm512_mask_storeu_ps(ws, keep, d);
     _mm512_mask_storeu_ps(wm, keep, _mm512_mul_ps(_mm512_set1_ps(-128.0f), d));
+    to_slots(u);  /* the codes past the row's end are the zeros unpack_row wrote */
 }
 #endif
 
-/* Row `row` of W, all of its chunks: u[Kp], ws[Kp/16], wm[Kp/16] (zeros past K). The
+/* Row `row` of W, all of its chunks: u[Kp] in slot order, ws[Kp/16], wm[Kp/16] (zeros past K). The
  * switch is outside the loop over blocks, so each type's loop is compiled on its own. */
 #define EACH_BLOCK(TYPE, VALUES, BYTES, CALL) \
     case TYPE:                                \
@@ -412,6 +452,7 @@ static void unpack_row(int type, const uint8_t *row, int64_t K, int64_t Kp, uint
         EACH_BLOCK(T_Q6_K, 256, 210, unpack256(T_Q6_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
         EACH_BLOCK(T_Q5_K, 256, 176, unpack256(T_Q5_K, b, u + 256 * i, ws + 16 * i, wm + 16 * i))
     }
+    for (int64_t c = 0; c < Kp / CHUNK; c++) to_slots(u + CHUNK * c);
 }
 
 /* --- activations: each row to int8 codes in blocks of 32 --------------------------------------- */
@@ -429,7 +470,7 @@ static float as_half(float f) {
     return f;
 }
 
-/* One row's quantized activations: codes q[Kp], then xs16[Kp/16] and xsum16[Kp/16]. */
+/* One row's quantized activations: codes q[Kp] in slot order, then xs16[Kp/16] and xsum16[Kp/16]. */
 int64_t smk_act_bytes(int64_t K) {
     int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
     return Kp + 2 * (Kp / 16) * (int64_t)sizeof(float);
@@ -456,6 +497,7 @@ static void quantize_row(const float *x, int64_t K, int64_t Kp, int width, uint8
             xs[b * width / 16 + h] = d;
             xsum[b * width / 16 + h] = d * (float)s;
         }
+        if ((b + 1) * width % CHUNK == 0) to_slots((uint8_t *)q + (b + 1) * width - CHUNK);
     }
 }
 
@@ -475,7 +517,7 @@ static float tree16(const float *v) {
 }
 
 static void row_dots_portable(const uint8_t *u, const float *ws, const float *wm, int64_t Kp, const uint8_t *xq,
-                              int64_t act, int64_t M, float *y, int64_t ldy) {
+                              int64_t act, int64_t M, int pair, float *y, int64_t ldy) {
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *a = xq + m * act;
         const int8_t *q = (const int8_t *)a;
@@ -483,17 +525,25 @@ static void row_dots_portable(const uint8_t *u, const float *ws, const float *wm
         float f[4][16] = {{0}}, g[16] = {0}, v[16];
         for (int64_t c = 0; c < Kp / CHUNK; c++) {
             float s[16];
+            int32_t p[4][16];
             for (int l = 0; l < 16; l++) s[l] = ws[16 * c + l] * xs[16 * c + l];
             for (int i = 0; i < 4; i++)
                 for (int l = 0; l < 16; l++) {
                     int64_t at = CHUNK * c + 64 * i + 4 * l;
-                    int32_t p = 0;
-                    for (int t = 0; t < 4; t++) p += (int32_t)u[at + t] * (int32_t)q[at + t];
-                    f[i][l] = fmaf((float)p, s[4 * i + l / 4], f[i][l]);
+                    p[i][l] = 0;
+                    for (int t = 0; t < 4; t++) p[i][l] += (int32_t)u[at + t] * (int32_t)q[at + t];
                 }
-            for (int l = 0; l < 16; l++) g[l] = fmaf(wm[16 * c + l], xsum[16 * c + l], g[l]);
+            for (int l = 0; l < 16; l++) {
+                if (pair)
+                    for (int h = 0; h < 2; h++)
+                        f[h][l] = fmaf((float)(p[2 * h][l] + p[2 * h + 1][l]), s[lane_group(2 * h, l)], f[h][l]);
+                else
+                    for (int i = 0; i < 4; i++) f[i][l] = fmaf((float)p[i][l], s[lane_group(i, l)], f[i][l]);
+                g[l] = fmaf(wm[16 * c + l], xsum[16 * c + l], g[l]);
+            }
         }
-        for (int l = 0; l < 16; l++) v[l] = ((f[0][l] + f[1][l]) + (f[2][l] + f[3][l])) + g[l];
+        for (int l = 0; l < 16; l++)
+            v[l] = pair ? (f[0][l] + f[1][l]) + g[l] : ((f[0][l] + f[1][l]) + (f[2][l] + f[3][l])) + g[l];
         y[m * ldy] = tree16(v);
     }
 }
@@ -506,28 +556,52 @@ static float tree16_avx512(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
 }
 
+/* The lane_group of every lane of vector i. */
+static inline __m512i lane_groups(int i) {
+    const __m512i half0 = _mm512_set_epi32(6, 6, 6, 6, 2, 2, 2, 2, 4, 4, 4, 4, 0, 0, 0, 0);
+    return _mm512_add_epi32(half0, _mm512_set1_epi32(8 * (i / 2) + i % 2));
+}
+
+/* One chunk of one activation row (codes x, s = ws * xs16 per group) into the sets f, as
+ * row_dots_portable adds them: vpdpbusd's integer sums are exact, so adding vectors 2h and
+ * 2h + 1 in one accumulator is the portable path's p[2h] + p[2h + 1]. */
+static inline __attribute__((always_inline)) void chunk_dots(const __m512i u[4], const uint8_t *x, __m512 s,
+                                                             int pair, __m512 f[4]) {
+    const __m512i zero = _mm512_setzero_si512();
+    if (pair) {
+        for (int h = 0; h < 2; h++) {
+            __m512i p = _mm512_dpbusd_epi32(zero, u[2 * h], _mm512_loadu_si512((const void *)(x + 128 * h)));
+            p = _mm512_dpbusd_epi32(p, u[2 * h + 1], _mm512_loadu_si512((const void *)(x + 128 * h + 64)));
+            f[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lane_groups(2 * h), s), f[h]);
+        }
+        return;
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512i p = _mm512_dpbusd_epi32(zero, u[i], _mm512_loadu_si512((const void *)(x + 64 * i)));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(lane_groups(i), s), f[i]);
+    }
+}
+
+static inline float row_sum(const __m512 f[4], __m512 g, int pair) {
+    __m512 v = pair ? _mm512_add_ps(f[0], f[1]) : _mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3]));
+    return tree16_avx512(_mm512_add_ps(v, g));
+}
+
 static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, int64_t Kp, const uint8_t *xq,
-                          int64_t act, int64_t M, float *y, int64_t ldy) {
-    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512i idx[4];
-    for (int i = 0; i < 4; i++) idx[i] = _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * i));
+                          int64_t act, int64_t M, int pair, float *y, int64_t ldy) {
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *a = xq + m * act;
         const float *xs = (const float *)(a + Kp), *xsum = xs + Kp / 16;
         __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         __m512 g = _mm512_setzero_ps();
         for (int64_t c = 0; c < Kp / CHUNK; c++) {
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(ws + 16 * c), _mm512_loadu_ps(xs + 16 * c));
-            for (int i = 0; i < 4; i++) {
-                __m512i w = _mm512_loadu_si512((const void *)(u + CHUNK * c + 64 * i));
-                __m512i x = _mm512_loadu_si512((const void *)(a + CHUNK * c + 64 * i));
-                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[i], s), f[i]);
-            }
+            __m512i w[4];
+            for (int i = 0; i < 4; i++) w[i] = _mm512_loadu_si512((const void *)(u + CHUNK * c + 64 * i));
+            chunk_dots(w, a + CHUNK * c, _mm512_mul_ps(_mm512_loadu_ps(ws + 16 * c), _mm512_loadu_ps(xs + 16 * c)),
+                       pair, f);
             g = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 16 * c), _mm512_loadu_ps(xsum + 16 * c), g);
         }
-        __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[0], f[1]), _mm512_add_ps(f[2], f[3])), g);
-        y[m * ldy] = tree16_avx512(v);
+        y[m * ldy] = row_sum(f, g, pair);
     }
 }
 
@@ -536,12 +610,9 @@ static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, in
  * it was unpacked into, instead of unpacked into memory for every row and read back; the
  * same operations on the same values as unpack_row + row_dots_vnni, in the same order. */
 #define FUSED_ROWS 4
-#define ROW_DOTS_FUSED(NAME, REGS, BYTES)                                                                        \
+#define ROW_DOTS_FUSED(NAME, REGS, BYTES, PAIR)                                                                  \
     static void NAME(const uint8_t *row, int64_t K, const uint8_t *xq, int64_t act, int64_t M, float *y,        \
                      int64_t ldy) {                                                                              \
-        const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);             \
-        __m512i idx[4];                                                                                          \
-        for (int i = 0; i < 4; i++) idx[i] = _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * i));             \
         __m512 f[FUSED_ROWS][4], g[FUSED_ROWS];                                                                  \
         for (int m = 0; m < FUSED_ROWS; m++) {                                                                   \
             g[m] = _mm512_setzero_ps();                                                                          \
@@ -554,23 +625,15 @@ static void row_dots_vnni(const uint8_t *u, const float *ws, const float *wm, in
             for (int m = 0; m < FUSED_ROWS && m < M; m++) {                                                      \
                 const uint8_t *a = xq + m * act;                                                                 \
                 const float *xs = (const float *)(a + K), *xsum = xs + K / 16;                                   \
-                __m512 s = _mm512_mul_ps(ws, _mm512_loadu_ps(xs + 16 * c));                                      \
-                for (int i = 0; i < 4; i++) {                                                                    \
-                    __m512i x = _mm512_loadu_si512((const void *)(a + CHUNK * c + 64 * i));                      \
-                    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], x);                            \
-                    f[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx[i], s), f[m][i]); \
-                }                                                                                                \
+                chunk_dots(u, a + CHUNK * c, _mm512_mul_ps(ws, _mm512_loadu_ps(xs + 16 * c)), PAIR, f[m]);       \
                 g[m] = _mm512_fmadd_ps(wm, _mm512_loadu_ps(xsum + 16 * c), g[m]);                                \
             }                                                                                                    \
         }                                                                                                        \
-        for (int m = 0; m < FUSED_ROWS && m < M; m++) {                                                          \
-            __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(f[m][0], f[m][1]), _mm512_add_ps(f[m][2], f[m][3])), g[m]); \
-            y[m * ldy] = tree16_avx512(v);                                                                       \
-        }                                                                                                        \
+        for (int m = 0; m < FUSED_ROWS && m < M; m++) y[m * ldy] = row_sum(f[m], g[m], PAIR);                    \
     }
-ROW_DOTS_FUSED(row_dots_fused_q4k, q4k_regs, 144)
-ROW_DOTS_FUSED(row_dots_fused_q6k, q6k_regs, 210)
-ROW_DOTS_FUSED(row_dots_fused_q8_0, q8_0_regs, 272)
+ROW_DOTS_FUSED(row_dots_fused_q4k, q4k_regs, 144, 1)
+ROW_DOTS_FUSED(row_dots_fused_q6k, q6k_regs, 210, 0)
+ROW_DOTS_FUSED(row_dots_fused_q8_0, q8_0_regs, 272, 1)
 
 /* The fused product of this type and shape, or NULL (unpack_row + row_dots_vnni). */
 typedef void (*FusedDots)(const uint8_t *, int64_t, const uint8_t *, int64_t, int64_t, float *, int64_t);
@@ -642,11 +705,11 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
                 float *y = j->y + m * j->ldy + n + r;
 #if SMK_VNNI
                 if (j->simd) {
-                    row_dots_vnni(u, ws, wm, j->Kp, xq, j->act, M, y, j->ldy);
+                    row_dots_vnni(u, ws, wm, j->Kp, xq, j->act, M, paired(j->type), y, j->ldy);
                     continue;
                 }
 #endif
-                row_dots_portable(u, ws, wm, j->Kp, xq, j->act, M, y, j->ldy);
+                row_dots_portable(u, ws, wm, j->Kp, xq, j->act, M, paired(j->type), y, j->ldy);
             }
         }
     }
