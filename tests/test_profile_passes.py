@@ -193,3 +193,29 @@ def test_the_script_profiles_the_policies_and_model_it_is_given_and_refuses_an_u
     with pytest.raises(SystemExit):
         script.main(["--policies", "resident,ondemand", "--json", "unused.json"])
     assert "'ondemand' is not a policy this script profiles; choose from resident, specmoe" in capsys.readouterr().err
+
+
+def test_the_block_kernels_time_is_filed_with_the_code_that_called_them(tmp_path):
+    """A GGUF file's products run in ctypes calls, which torch's profiler cannot see into:
+    blockdot labels them, so their time counts as operators, filed by their caller."""
+    pytest.importorskip("gguf")
+    from gguf_factories import make_gguf
+
+    from specmoe.kernels import blockdot
+
+    if not blockdot.available():
+        pytest.skip("the block kernels are not built on this machine")
+    _, path = make_gguf(tmp_path, "mixtral", "Q8_0")
+    llm = LLM(model=str(path), policy="resident", max_batch_size=2, max_model_len=64)
+    inst = Instrumented(llm.engine)
+    llm.generate([[5, 6, 7]], PARAMS)
+    inst.clock.reset()
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as p:
+        llm.generate([[5, 6, 7]], PARAMS)
+    llm.close()
+    events = p.events()
+    names = {e.name for e in events}
+    assert {"blockdot::experts", "blockdot::linear", "blockdot::attend", "blockdot::rms_norm"} <= names, names
+    cats = operator_shares(events, inst.clock.count)["decode"]["categories"]
+    assert {"attention", "expert matmuls", "norms"} <= set(cats)
+    assert cats["expert matmuls"]["share"] > 0.1

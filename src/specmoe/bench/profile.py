@@ -31,8 +31,14 @@ CATEGORIES = ("attention", "router", "expert matmuls", "expert dispatch", "norms
 UNITS = ("decode", "draft", "verify")
 LABEL = "specmoe:"  # the profiler ranges this module opens: specmoe:<unit>
 MATMUL_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_grouped_mm",
-              "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+              "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "blockdot::matmul",
+              "blockdot::experts", "blockdot::linear", "blockdot::matmul_bf16")
+OPERATORS = ("aten::", "blockdot::")  # torch's operators, and specmoe's block kernels (kernels/blockdot.py)
 _FRAME = re.compile(r"specmoe/((?:\w+/)*\w+)\.py\(\d+\): (\w+)")
+
+
+def is_operator(name: str) -> bool:
+    return name.startswith(OPERATORS)
 
 
 def frames_of(names: list[str]) -> list[tuple[str, str]]:
@@ -176,10 +182,10 @@ def operator_shares(events, counts: Counter) -> dict:
     time_by = defaultdict(Counter)
     ops_by = defaultdict(Counter)
     for e in events:
-        if not e.name.startswith("aten::"):
+        if not is_operator(e.name):
             continue
         names = [a.name for a in _ancestors(e)]
-        if any(n.startswith("aten::") for n in names):
+        if any(map(is_operator, names)):
             continue  # inside another operator: counted with it
         unit = _unit_of(names)
         if unit is None:
@@ -205,7 +211,7 @@ def outside_share(events) -> dict:
         if e.name.startswith(LABEL):
             spans[e.name[len(LABEL):]] += e.cpu_time_total
             continue
-        if e.name.startswith("aten::") and not any(n.startswith("aten::") for n in names):
+        if is_operator(e.name) and not any(map(is_operator, names)):
             unit = _unit_of(names)
             if unit is not None:
                 inside[unit] += e.cpu_time_total
