@@ -91,6 +91,18 @@ def test_speeds_are_kept_per_setup_capped_tier_and_draft():
     assert feedback.measured("m", "disk", "specmoe:int8:5", 16) is None
 
 
+def test_a_run_in_the_reference_encoding_is_a_setup_of_its_own():
+    """--dtype float32 dequantizes a GGUF file's every matrix: several times slower than the
+    default, so its speeds must not correct the default's plans."""
+    from specmoe.base.config import EngineConfig
+
+    reference = feedback.tier_of(EngineConfig(dtype="float32", offload="disk"))
+    assert reference == "disk in float32" and feedback.tier_of(EngineConfig(offload="disk")) == "disk"
+    feedback.record("m2", reference, "ondemand", 16, 4.0)
+    assert feedback.measured("m2", "disk", "ondemand", 16) is None
+    assert feedback.measured("m2", reference, "ondemand", 16) == (16, 4.0)
+
+
 def test_a_speculative_run_records_its_draft_and_gamma(tiny_ckpt, tmp_path):
     from factories import random_prompts
 

@@ -5,6 +5,7 @@ replaces the prior for that draft; the chosen split gives the resident model's t
 inside the budget, measured on the tensors the engine holds; bad input is one line."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -21,9 +22,11 @@ from specmoe import LLM, SamplingParams, SpecMoEError
 from specmoe.base.config import EngineConfig
 from specmoe.autotune import draft_split
 from specmoe.autotune.draft_split import (
+    COST_RATE,
     LEAST_VERIFY_SLOTS,
     ExpertTimes,
     SplitPoint,
+    fitted_rate,
     predict,
     prior_acceptance,
     split_candidates,
@@ -70,6 +73,16 @@ def test_the_prior_acceptance_falls_with_the_cost_and_follows_the_training_runs(
     assert prior_acceptance(100.0) == 0.0
     for cost, measured in TRAINING_RUNS:  # within a third of the measured miss rate, 1 - a
         assert abs(prior_acceptance(cost) - measured) <= (1 - measured) / 3
+
+
+def test_the_prior_takes_the_rate_this_models_measured_drafts_show():
+    # drafts rejected twice as often as the demo model's rate says: the ones not measured are predicted so too
+    measured = [(cost, 1 - 2 * COST_RATE * math.sqrt(cost)) for cost in (0.01, 0.04, 0.09)]
+    rate = fitted_rate(measured)
+    assert rate == pytest.approx(2 * COST_RATE)
+    assert prior_acceptance(0.25, rate) == pytest.approx(1 - 2 * COST_RATE * 0.5)
+    assert fitted_rate([(0.04, 0.95), (0.04, 0.90), (0.04, 0.10)]) == pytest.approx(0.5)  # the median: one odd run
+    assert fitted_rate([]) == COST_RATE and fitted_rate([(0.0, 0.99)]) == COST_RATE  # nothing to fit on
 
 
 # --- on a model -----------------------------------------------------------------------------
@@ -142,7 +155,11 @@ def test_a_measured_acceptance_replaces_the_prior_for_that_draft(reference, tmp_
     assert point.draft_memory == memory and point.measured
     assert point.tokens_per_step == pytest.approx(tokens_per_step(recorded, 3))
     assert "(measured)" in point.describe(1 << 30)
-    assert [p.key for p in seen[0] if p.measured] == [key]  # the others keep the prior
+    assert [p.key for p in seen[0] if p.measured] == [key]  # the others keep the prior,
+    assert len({p.rate for p in seen[0]}) == 1  # at the rate that draft's acceptance and cost imply
+    others = [p for p in seen[0] if not p.measured]
+    if others and seen[0][0].rate != COST_RATE:
+        assert "measured rate" in others[0].describe(1 << 30)
     second.generate(prompts, GREEDY)
     assert second.last_stats["token_ids_sha256"] == sha
     second.close()

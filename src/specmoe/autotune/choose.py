@@ -171,7 +171,7 @@ def _split_speeds(runtime) -> dict[str, float]:
     """Decode tokens/s that runs of each split (draft memory and ways) measured on this tier
     at this batch size and gamma: key (draft_split.history_key) -> median tokens/s."""
     opts, fingerprint = runtime.options, runtime.checkpoint.fingerprint()
-    tier = speeds.tier_key(opts.offload, opts.offload_bandwidth)
+    tier = speeds.tier_of(opts)
     out = {}
     for draft, gamma in speeds.draft_variants(fingerprint, tier):
         if not draft.startswith("memory@") or gamma != opts.gamma:
@@ -216,7 +216,7 @@ def _corrections(runtime, shape, hardware, kwargs, policies) -> dict[str, float]
     opts = runtime.options
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
     acceptance = kwargs.get("acceptance") or DEFAULT_ACCEPTANCE
-    fingerprint, tier = runtime.checkpoint.fingerprint(), speeds.tier_key(opts.offload, opts.offload_bandwidth)
+    fingerprint, tier = runtime.checkpoint.fingerprint(), speeds.tier_of(opts)
 
     def ratio(policy: str, key: str, same_setup) -> float | None:
         seen = speeds.measured(fingerprint, tier, key, opts.max_batch_size)

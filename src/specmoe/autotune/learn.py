@@ -19,7 +19,7 @@ def learn_from_run(engine, stats: dict) -> None:
     adapted = draft is not None and opts.adapt_gamma
     if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4 and not adapted:
         # shorter runs say nothing about speed; nor does a run whose gamma moved about that of its first gamma
-        speeds.record(fingerprint, speeds.tier_key(opts.offload, opts.offload_bandwidth),
+        speeds.record(fingerprint, speeds.tier_of(opts),
                       speeds.policy_key(policy.name, draft, opts.gamma if draft else None),
                       stats["batch_size"], stats["decode_tokens_per_s"])
 

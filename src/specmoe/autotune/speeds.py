@@ -28,9 +28,17 @@ FILE = "speeds.json"
 RECENT = 8
 
 
-def tier_key(offload: str, bandwidth: float | None = None) -> str:
-    """The tier as speeds are kept: `disk`, or `disk@50000000Bps` when capped."""
-    return offload if bandwidth is None else f"{offload}@{bandwidth:.0f}Bps"  # no "/": it separates tier and policy
+def tier_key(offload: str, bandwidth: float | None = None, dtype: str = "auto") -> str:
+    """The tier as speeds are kept: `disk`, or `disk@50000000Bps` when capped, and `disk in
+    float32` for a run in another encoding than the default (the reference encoding computes
+    a GGUF file several times slower: its speeds are no correction for a default run)."""
+    tier = offload if bandwidth is None else f"{offload}@{bandwidth:.0f}Bps"  # no "/": it separates tier and policy
+    return tier if dtype == "auto" else f"{tier} in {dtype}"
+
+
+def tier_of(opts) -> str:
+    """tier_key of a run's EngineConfig."""
+    return tier_key(opts.offload, opts.offload_bandwidth, opts.dtype)
 
 
 def policy_key(policy: str, draft: str | None = None, gamma: int | None = None) -> str:
