@@ -6,6 +6,7 @@ tier, 30 % budget), on the demo model's held-out prompts. Writes one JSON docume
     python benchmarks/profile_passes.py --source-rev c95390e --json before.json   # an older tree, same method
     python benchmarks/profile_passes.py --model bench-results/real-size-k8-m16 --policies specmoe \
         --batch-sizes 16 --gamma 10 --threads 1 --repeats 1 --json real-size-profile.json
+    python benchmarks/profile_passes.py --model rs-Q4_K_M.gguf --dtype float32 ...   # the reference encoding
 
 Method (src/specmoe/bench/profile.py): each unit is timed unprofiled (thread CPU time
 and wall time, median of --repeats runs after a warm-up), then profiled once without
@@ -137,7 +138,7 @@ def policy_list(text: str) -> list[str]:
 def setups(args):
     """(batch size, policy, LLM options) of every measured configuration."""
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        common = dict(model=args.model, max_batch_size=batch, max_model_len=320, threads=args.threads)
+        common = dict(model=args.model, max_batch_size=batch, max_model_len=320, threads=args.threads, dtype=args.dtype)
         options = {"resident": dict(policy="resident", **common),
                    "specmoe": dict(policy="specmoe", offload="disk", device_memory="30%", gamma=args.gamma, **common)}
         for policy in args.policies:
@@ -184,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch threads (default: the engine's)")
     ap.add_argument("--model", help="model directory or GGUF file (default: the bundled demo model)")
+    ap.add_argument("--dtype", default="auto", help="the engine's --dtype (float32: the reference encoding, every "
+                    "weight dequantized to float32 as it is multiplied)")
     ap.add_argument("--policies", type=policy_list, default="resident,specmoe",
                     help="comma-separated, from: " + ", ".join(POLICIES))
     ap.add_argument("--source-rev", help="profile this git revision's package instead of this tree's")
@@ -215,7 +218,8 @@ def main(argv=None) -> int:
     doc = {"kind": "profile-passes", "source": args.source or "this tree",
            "command": "python benchmarks/profile_passes.py " + " ".join(argv),
            "config": {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens, "repeats": args.repeats,
-                      "gamma": args.gamma, "threads": torch.get_num_threads(), "torch": torch.__version__},
+                      "gamma": args.gamma, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "model": args.model, "dtype": args.dtype},
            "categories": list(prof.CATEGORIES), "rows": rows}
     write_doc(args.json, doc)
     return 0

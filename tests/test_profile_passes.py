@@ -187,9 +187,10 @@ def test_the_script_profiles_the_policies_and_model_it_is_given_and_refuses_an_u
     spec.loader.exec_module(script)
 
     args = argparse.Namespace(batch_sizes="1,16", policies=script.policy_list("specmoe"), model="some/model",
-                              threads=1, gamma=10)
-    runs = [(batch, policy, options["model"], options["policy"]) for batch, policy, options in script.setups(args)]
-    assert runs == [(1, "specmoe", "some/model", "specmoe"), (16, "specmoe", "some/model", "specmoe")]
+                              threads=1, gamma=10, dtype="float32")
+    runs = [(batch, policy, options["model"], options["policy"], options["dtype"])
+            for batch, policy, options in script.setups(args)]
+    assert runs == [(1, "specmoe", "some/model", "specmoe", "float32"), (16, "specmoe", "some/model", "specmoe", "float32")]
     with pytest.raises(SystemExit):
         script.main(["--policies", "resident,ondemand", "--json", "unused.json"])
     assert "'ondemand' is not a policy this script profiles; choose from resident, specmoe" in capsys.readouterr().err

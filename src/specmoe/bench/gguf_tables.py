@@ -1,14 +1,15 @@
 """BENCHMARKS.md's GGUF sections. From benchmarks/gguf_models.py's document: what one
 expert is in each file, the file's size and held-out perplexity; then each policy's speed
 and expert bytes per token on the disk tier, against ondemand on the bf16 safetensors
-model. From benchmarks/same_file.py's: specmoe against llama.cpp on llama.cpp's own files."""
+model. From benchmarks/same_file.py's: specmoe against llama.cpp on llama.cpp's own files;
+then SpecMoE on that Q4_K_M file offloaded to disk, and where its step's time goes."""
 
 from __future__ import annotations
 
 import statistics
 
+from . import report, tables
 from .machine import describe
-from . import report
 from .report import md_table
 from .section import REAL_SIZE_MODEL, REAL_SIZE_SMOKE_MODEL, Run, Section
 from .tables import models_speeds
@@ -107,3 +108,30 @@ GGUF_DISK = Section("gguf-disk", "SpecMoE on the Q4_K_M file, offloaded to disk,
     (_disk_run(30), _disk_run(50)),
     lambda docs: "\n".join(report.markdown(docs[name], name, heading=False)
                            for name in ("gguf-disk-30.json", "gguf-disk-50.json") if name in docs))
+
+
+def _profile_run(name: str, dtype: str) -> Run:
+    """profile_passes.py on the same-file section's Q4_K_M file: SpecMoE, B = 16, disk tier at 30 %, one thread."""
+    common = f"--dtype {dtype} --policies specmoe --batch-sizes 16 --max-tokens 6 --threads 1 --repeats 1"
+    out = f"--json {{out}}/profile-real-size-{name}.json"
+    return Run(f"profile-real-size-{name}.json",
+               f"python benchmarks/profile_passes.py --model {{out}}/real-size-gguf/real-size-k8-m16-Q4_K_M.gguf "
+               f"{common} {out}",
+               f"python benchmarks/profile_passes.py --model {{out}}/real-size-gguf-smoke/real-size-k2-m2-Q8_0.gguf "
+               f"{common} {out}")
+
+
+GGUF_PROFILE = Section("gguf-profile", "Where a SpecMoE step's time goes at real size: dequantized, then as stored",
+    "The same-file section's Q4_K_M file, SpecMoE at B = 16 on the disk tier (30 % of the expert bytes, γ = 5), "
+    "one thread (so that the thread's CPU time is all of the compute), held-out prompts: before, `--dtype "
+    "float32`, the reference encoding, where every matrix is dequantized to float32 as it is multiplied (what "
+    "every run did before the block kernels); after, the default, where the file's blocks are multiplied as "
+    "stored. ms: thread CPU time per unit, unprofiled (one run after a warm-up). Operators: top-level torch "
+    "operators and block-kernel calls per unit; between operators: the share of profiled time outside them "
+    "(Python; in verify also waiting for the disk tier). Shares: each category's part of operator time, from a "
+    "profile with Python stacks (attention includes its q/k/v/o products).",
+    (_profile_run("before", "float32"), _profile_run("after", "auto")),
+    lambda docs: (tables.profile_summary(docs["profile-real-size-before.json"], docs["profile-real-size-after.json"])
+                  + "\nShare of operator time by category, before → after:\n\n"
+                  + tables.profile_categories(docs["profile-real-size-before.json"],
+                                              docs["profile-real-size-after.json"])))
