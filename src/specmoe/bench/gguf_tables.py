@@ -135,3 +135,5 @@ GGUF_PROFILE = Section("gguf-profile", "Where a SpecMoE step's time goes at real
                   + "\nShare of operator time by category, before → after:\n\n"
                   + tables.profile_categories(docs["profile-real-size-before.json"],
                                               docs["profile-real-size-after.json"])))
+
+REAL_SIZE_SECTIONS = (SAME_FILE, GGUF_DISK, GGUF_PROFILE)  # in the page's order

@@ -221,9 +221,7 @@ SECTIONS = (
                  "python benchmarks/quantized_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/quantized.json"),),
             lambda docs: tables.quantized_models(docs["quantized.json"])),
-    gguf_tables.SAME_FILE,
-    gguf_tables.GGUF_DISK,
-    gguf_tables.GGUF_PROFILE,
+    *gguf_tables.REAL_SIZE_SECTIONS,
     beyond_memory.BEYOND_MEMORY,
     Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
             "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
