@@ -84,15 +84,22 @@ SAME_FILE = Section("same-file", "The same GGUF file as llama.cpp",
 GGUF_DISK_GOALS = {30: 1.0, 50: 3.0}  # SpecMoE ÷ ondemand at each share of the experts: every repeat against every one
 
 
+Q4_K_M_FILE = "{out}/real-size-gguf/real-size-k8-m16-Q4_K_M.gguf"  # what same_file.py's llama.cpp wrote
+SMOKE_FILE = "{out}/real-size-gguf-smoke/real-size-k2-m2-Q8_0.gguf"  # and its smoke run's small file
+
+
+def _on_the_file(output: str, command: str, full: str, smoke: str) -> Run:
+    """`command` with options `full` on the Q4_K_M file (`smoke` on the smoke run's file), writing `output`."""
+    return Run(output, f"{command} --model {Q4_K_M_FILE} {full} --json {{out}}/{output}",
+               f"{command} --model {SMOKE_FILE} {smoke} --json {{out}}/{output}")
+
+
 def _disk_run(share: int) -> Run:
     """SpecMoE, ondemand and resident on same_file.py's Q4_K_M file, the disk tier at `share` % of the experts."""
     common = ("--policies resident,ondemand,specmoe --batch-sizes 16 --prompt-batches 1 --anchors none "
               f"--device-memory {share}% --offload-dir {{out}}/offload-gguf")
-    return Run(f"gguf-disk-{share}.json",
-               f"specmoe bench --model {{out}}/real-size-gguf/real-size-k8-m16-Q4_K_M.gguf {common} --max-tokens 32 "
-               f"--repeats 3 --json {{out}}/gguf-disk-{share}.json",
-               f"specmoe bench --model {{out}}/real-size-gguf-smoke/real-size-k2-m2-Q8_0.gguf {common} "
-               f"--repeats 1 --max-tokens 4 --threads 1 --json {{out}}/gguf-disk-{share}.json")
+    return _on_the_file(f"gguf-disk-{share}.json", "specmoe bench", f"{common} --max-tokens 32 --repeats 3",
+                        f"{common} --repeats 1 --max-tokens 4 --threads 1")
 
 
 GGUF_DISK = Section("gguf-disk", "SpecMoE on the Q4_K_M file, offloaded to disk, at real size",
@@ -111,14 +118,9 @@ GGUF_DISK = Section("gguf-disk", "SpecMoE on the Q4_K_M file, offloaded to disk,
 
 
 def _profile_run(name: str, dtype: str) -> Run:
-    """profile_passes.py on the same-file section's Q4_K_M file: SpecMoE, B = 16, disk tier at 30 %, one thread."""
+    """profile_passes.py on same_file.py's Q4_K_M file: SpecMoE, B = 16, disk tier at 30 %, one thread."""
     common = f"--dtype {dtype} --policies specmoe --batch-sizes 16 --max-tokens 6 --threads 1 --repeats 1"
-    out = f"--json {{out}}/profile-real-size-{name}.json"
-    return Run(f"profile-real-size-{name}.json",
-               f"python benchmarks/profile_passes.py --model {{out}}/real-size-gguf/real-size-k8-m16-Q4_K_M.gguf "
-               f"{common} {out}",
-               f"python benchmarks/profile_passes.py --model {{out}}/real-size-gguf-smoke/real-size-k2-m2-Q8_0.gguf "
-               f"{common} {out}")
+    return _on_the_file(f"profile-real-size-{name}.json", "python benchmarks/profile_passes.py", common, common)
 
 
 GGUF_PROFILE = Section("gguf-profile", "Where a SpecMoE step's time goes at real size: dequantized, then as stored",
