@@ -118,7 +118,7 @@ def fitted_rate(measured: list[tuple[float, float]]) -> float:
     drafts that earlier runs measured ((expected cost, per-token acceptance) pairs), else
     COST_RATE. Measured: on the real-size Q4_K_M file at 50 % of the experts, the demo model's
     rate put an unmeasured 60 % draft at 0.79 and it accepted 0.69, while the measured 90 %
-    draft (0.74) ran faster; refitted, the prior says 0.70."""
+    draft (0.74) ran faster; refitted on that one measured draft, the prior says 0.69."""
     rates = [(1.0 - a) / math.sqrt(cost) for cost, a in measured if cost > 1e-9]
     return statistics.median(rates) if rates else COST_RATE
 
