@@ -198,7 +198,7 @@ def test_the_script_profiles_the_policies_and_model_it_is_given_and_refuses_an_u
 
 def test_the_block_kernels_time_is_filed_with_the_code_that_called_them(tmp_path):
     """A GGUF file's products run in ctypes calls, which torch's profiler cannot see into:
-    blockdot labels them, so their time counts as operators, filed by their caller."""
+    the profiling code labels them, so their time counts as operators, filed by their caller."""
     pytest.importorskip("gguf")
     from gguf_factories import make_gguf
 

@@ -19,6 +19,7 @@ operators (Python, and the profiler's own cost), from a run profiled without sta
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 import time
 from collections import Counter, defaultdict
@@ -88,11 +89,41 @@ class UnitClock:
         self.count.clear()
 
 
+KERNELS = ("smk_quantize", "smk_matmul", "smk_experts", "smk_linear", "smk_matmul_f32", "smk_attend", "smk_rms_norm",
+           "smk_matmul_bf16")  # the block kernels' entry points that compute (kernels/blockdot.py)
+
+
+def label_block_kernels(package: str) -> None:
+    """Wrap the block kernels' entry points of the specmoe `package` (this tree's, or an
+    older one's under another name) so that torch's profiler records each call as a range
+    `blockdot::NAME` (it cannot see into a ctypes call). Done here, by the profiling code, so
+    that no run outside it pays for the wrapper; once per process."""
+    try:
+        blockdot = importlib.import_module(package + ".kernels.blockdot")
+    except ImportError:
+        return  # a revision from before the block kernels
+    lib = blockdot.library().lib
+    if lib is None or getattr(lib, "_labelled", False):
+        return
+    for name in KERNELS:
+        fn, label = getattr(lib, name), "blockdot::" + name[len("smk_"):]
+
+        def call(*args, fn=fn, label=label):
+            if not torch.autograd._profiler_enabled():
+                return fn(*args)
+            with torch.profiler.record_function(label):
+                return fn(*args)
+        setattr(lib, name, call)
+    lib._labelled = True
+
+
 class Instrumented:
     """Times the units of one engine and labels them for the profiler, by wrapping the
-    engine's own methods on this instance (nothing in the package changes)."""
+    engine's own methods on this instance and the block kernels' calls (nothing in the
+    package changes)."""
 
     def __init__(self, engine):
+        label_block_kernels(type(engine).__module__.split(".")[0])
         self.engine = engine
         self.clock = UnitClock()
         self.draft_cpu = self.draft_wall = 0.0  # inside the current speculative step

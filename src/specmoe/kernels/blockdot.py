@@ -114,24 +114,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.smk_rms_norm.restype = None
     lib.smk_matmul_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul_bf16.restype = None
-    for name in PRODUCTS:
-        setattr(lib, name, _labelled(getattr(lib, name), "blockdot::" + name[len("smk_"):]))
     return lib
-
-
-PRODUCTS = ("smk_quantize", "smk_matmul", "smk_experts", "smk_linear", "smk_matmul_f32", "smk_attend", "smk_rms_norm",
-            "smk_matmul_bf16")  # the entry points that compute; torch's profiler sees them as blockdot::NAME
-
-
-def _labelled(fn, label: str):
-    """fn, in a range named `label` while torch's profiler records (bench/profile.py files the
-    kernels' time by it; it cannot see into a ctypes call otherwise), else fn as it is."""
-    def call(*args):
-        if not torch.autograd._profiler_enabled():
-            return fn(*args)
-        with torch.profiler.record_function(label):
-            return fn(*args)
-    return call
 
 
 # --- the self-check: verdicts per build, kept beside it ---------------------------------------------
