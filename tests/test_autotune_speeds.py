@@ -116,3 +116,19 @@ def test_a_speculative_run_records_its_draft_and_gamma(tiny_ckpt, tmp_path):
     assert feedback.draft_variants(llm.engine.checkpoint.fingerprint(), tier) == [("int8", 3)]
     batch, speed = feedback.measured(llm.engine.checkpoint.fingerprint(), tier, "specmoe:int8:3", 4)
     assert speed == pytest.approx(llm.last_stats["decode_tokens_per_s"])
+
+
+def test_a_run_whose_gamma_was_tuned_records_its_speed_under_its_own_gamma_key(tiny_ckpt, tmp_path):
+    from factories import random_prompts
+
+    from specmoe import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_ckpt("mixtral")), device="cpu", policy="specmoe", draft_quant="int8", offload="disk",
+              offload_dir=str(tmp_path), max_batch_size=4, max_model_len=160)  # no gamma: tuned step by step
+    # long enough for the steps a speed is kept from (the first drafts 16 tokens)
+    llm.generate(random_prompts(4, min_len=3, max_len=10, seed=3), SamplingParams(max_tokens=120, ignore_eos=True))
+    llm.close()
+    fingerprint = llm.engine.checkpoint.fingerprint()
+    assert feedback.draft_variants(fingerprint, "disk") == [("int8", feedback.ADAPTED)]
+    _, speed = feedback.measured(fingerprint, "disk", "specmoe:int8:auto", 4)
+    assert speed == pytest.approx(llm.last_stats["decode_tokens_per_s"])

@@ -167,7 +167,7 @@ def test_a_measured_acceptance_replaces_the_prior_for_that_draft(reference, tmp_
 
 def _point(key, predicted_tps):
     """A split predicted at `predicted_tps` tokens/s (16 sequences, 10 tokens a step)."""
-    return SplitPoint(1 << 30, "auto", 8, 0, 0.9, False, 10.0, 160.0 / predicted_tps, 16, key)
+    return SplitPoint(1 << 30, "auto", 8, 0, 0.9, False, 10.0, 160.0 / predicted_tps, 16, 3, key)
 
 
 def test_a_split_measured_here_ranks_by_its_measurement_the_rest_by_the_scaled_prediction():
@@ -236,15 +236,36 @@ def test_fewer_verify_slots_predict_more_fetching_and_a_slow_copy_a_slower_draft
     room = 60 * slot
     sc = _scenario(llm, slow_tier_read_bw=1e6, transfer_overlap=1e-6)  # fetches dominate
     start = Start(ckpt, 10 * slot, None, slot, runtime.device, runtime.dtype, "int8", None)
-    fast = ExpertTimes({FULL: 1e-4, "int8": 1e-4}, 2e-4)
+    fast = ExpertTimes({FULL: 1e-4, "int8": 1e-4}, {8: 2e-4})
     roomy = predict(start, sc, room, slot, 6, 3, None, fast)
     tight = predict(start, sc, 14 * slot, slot, 6, 3, None, fast)
     assert roomy.verify_slots == 50 and tight.verify_slots == 4
     assert tight.step_s > roomy.step_s and tight.tokens_per_step == roomy.tokens_per_step
-    slow = ExpertTimes({FULL: 1e-4, "int8": 1e-1}, 2e-4)
+    slow = ExpertTimes({FULL: 1e-4, "int8": 1e-1}, {8: 2e-4})
     assert predict(start, sc, room, slot, 6, 3, None, slow).step_s > roomy.step_s + 3 * 1e-1  # gamma drafts
     measured = predict(start, sc, room, slot, 6, 3, 0.5, fast)
     assert measured.measured and measured.tokens_per_step == pytest.approx(tokens_per_step(0.5, 3))
+    llm.close()
+
+
+def test_under_a_tuned_gamma_each_split_is_predicted_at_the_gamma_its_acceptance_pays_for(reference, tmp_path):
+    llm = split_llm(reference, tmp_path, draft_memory=None)  # only for its runtime
+    runtime = llm.engine.policy.runtime
+    slot, ckpt = runtime.slot_bytes, runtime.checkpoint
+    sc = _scenario(llm, slow_tier_read_bw=1e8)
+    start = Start(ckpt, 10 * slot, None, slot, runtime.device, runtime.dtype, "int8", None)
+    times = ExpertTimes({FULL: 1e-3, "int8": 1e-4}, {4: 1e-3, 40: 4e-3})  # a draft 10x cheaper
+    assert times.verify_s(22) == pytest.approx(2.5e-3) and times.verify_s(1) == 1e-3  # the line, floored
+
+    def at(acceptance, adapt):
+        return predict(start, sc, 60 * slot, slot, 6, 16, acceptance, times, adapt=adapt)
+
+    # fixed: the run's own gamma; tuned: a draft accepting half its tokens is not charged 16
+    # draft passes for two tokens a step, and one accepting nearly all drafts long
+    assert at(0.5, False).gamma == 16 and at(0.5, True).gamma <= 3
+    assert at(0.5, True).tokens_per_s > 1.5 * at(0.5, False).tokens_per_s
+    assert at(0.98, True).gamma > 3 * at(0.5, True).gamma
+    assert "at gamma" in at(0.5, True).describe(60 * slot)
     llm.close()
 
 
@@ -395,3 +416,22 @@ def test_the_summary_judges_the_split_by_the_same_rule(spread, met):
     (headline,) = draft_split_section({"draft-split-16.json": split_doc(96.0, {"int8": 128}, 3, spread)})
     assert headline.met is met and headline.ratio == pytest.approx(0.96)
     assert headline.spread.startswith("3 interleaved repeats: 0.9") and headline.spread.endswith("the best point's draft and pool")
+
+
+def test_a_split_is_corrected_only_by_runs_whose_gamma_was_chosen_as_this_runs_will_be(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from specmoe.autotune.choose import _split_speeds
+
+    monkeypatch.setenv("SPECMOE_CACHE_DIR", str(tmp_path / "cache"))
+    split = "memory@40.0%:auto"
+    speeds.record("m", "disk", speeds.policy_key("specmoe", split, speeds.ADAPTED), 16, 30.0)
+    speeds.record("m", "disk", speeds.policy_key("specmoe", split, 16), 16, 5.0)
+
+    def seen(**opts):
+        options = replace(EngineConfig(offload="disk", max_batch_size=16), **opts)
+        return _split_speeds(SimpleNamespace(options=options, checkpoint=SimpleNamespace(fingerprint=lambda: "m")))
+
+    assert seen(adapt_gamma=True) == {split: 30.0}
+    assert seen(adapt_gamma=False, gamma=16) == {split: 5.0}
+    assert seen(adapt_gamma=False, gamma=5) == {}

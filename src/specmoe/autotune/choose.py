@@ -163,18 +163,20 @@ def choose_draft_memory(runtime) -> tuple:
     best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,
                            runtime.dtype, cache, opts.max_batch_size, opts.gamma,
                            history.measured(runtime.checkpoint.fingerprint()), fused, _split_speeds(runtime),
-                           runtime.computes_as_stored)
+                           runtime.computes_as_stored, opts.adapt_gamma)
     return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)
 
 
 def _split_speeds(runtime) -> dict[str, float]:
     """Decode tokens/s that runs of each split (draft memory and ways) measured on this tier
-    at this batch size and gamma: key (draft_split.history_key) -> median tokens/s."""
+    at this batch size and gamma (fixed, or tuned step by step as this run's will be): key
+    (draft_split.history_key) -> median tokens/s."""
     opts, fingerprint = runtime.options, runtime.checkpoint.fingerprint()
     tier = speeds.tier_of(opts)
+    gamma_here = speeds.ADAPTED if opts.adapt_gamma else opts.gamma
     out = {}
     for draft, gamma in speeds.draft_variants(fingerprint, tier):
-        if not draft.startswith("memory@") or gamma != opts.gamma:
+        if not draft.startswith("memory@") or gamma != gamma_here:
             continue
         seen = speeds.measured(fingerprint, tier, speeds.policy_key("specmoe", draft, gamma), opts.max_batch_size)
         if seen is not None and seen[0] == opts.max_batch_size:  # another batch size's step is another step

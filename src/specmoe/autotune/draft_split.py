@@ -13,9 +13,11 @@ routing is seen, with its expected cost) and predicted in decode tokens/s:
   (`prior_acceptance`) at this model's rate (`fitted_rate`: the drafts it measured, else
   the demo model's COST_RATE), so that a prior kinder than measurement does not win the
   split over the drafts that were measured;
-- step time: gamma draft passes and one verify pass over B (gamma + 1) positions, each
-  its non-expert work from the cost model on this machine's calibrated profile plus its
-  experts at the time one expert of this model takes here, held each way (`time_experts`:
+- step time: gamma draft passes and one verify pass over B (gamma + 1) positions, at the
+  run's gamma, or where gamma is tuned step by step (the default) at the gamma predicted
+  fastest (where the tuner takes the run); each pass its non-expert work from the cost
+  model on this machine's calibrated profile plus its experts at the time one expert of
+  this model takes here on that many rows, held each way (`time_experts`:
   a fused int8 or int4 kernel, or the portable layout that dequantizes per call, which at
   real sizes is many times slower than accuracy alone would say), and the verify pass's
   fetches: the experts it picks beyond each block's N full-precision draft experts and
@@ -38,6 +40,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..base.config import MAX_GAMMA
 from ..base.errors import SpecMoEError
 from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario, pass_work
@@ -79,6 +82,7 @@ class SplitPoint:
     tokens_per_step: float
     step_s: float
     batch: int
+    gamma: int  # drafted tokens per step: the run's fixed gamma, or the one the tuner is predicted to settle at
     key: str = ""  # the draft as history.py and speeds.py keep it (history_key)
     seen_tokens_per_s: float | None = None  # what runs of this split measured here at this batch size
     scale: float = 1.0  # else: measured / predicted of the splits that were measured (median)
@@ -106,7 +110,7 @@ class SplitPoint:
             speed = f"{self.tokens_per_s:.1f} tok/s predicted"
         return (f"draft memory {format_bytes(self.draft_memory)} ({self.draft_memory / room:.0%} of the expert room, "
                 f"{self.draft_quant}), {self.verify_slots} verify slots: {self.tokens_per_step:.2f} tokens/step "
-                f"({source}), {speed}")
+                f"at gamma {self.gamma} ({source}), {speed}")
 
 
 def prior_acceptance(cost: float, rate: float = COST_RATE) -> float:
@@ -145,29 +149,42 @@ def ways_to_try(fused_modes: tuple[str, ...]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ExpertTimes:
     """Seconds one expert of this model takes here, held each way, on the rows a draft
-    pass gives it (`draft`) and on those a verify pass gives it (`verify`, full precision)."""
+    pass gives it (`draft`), and in full precision on the rows verify passes give it
+    (`verify`: rows -> seconds, timed at the shortest and longest draft planned)."""
 
     draft: dict[str, float]
-    verify: float
+    verify: dict[int, float]
+
+    def verify_s(self, rows: float) -> float:
+        """Seconds at `rows`: the line through the row counts timed (one timed: that time),
+        never below the fastest of them (a small pass still reads the whole expert)."""
+        (r0, t0), (r1, t1) = min(self.verify.items()), max(self.verify.items())
+        if r1 == r0:
+            return t0
+        return max(min(t0, t1), t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
 
 
 @torch.no_grad()
-def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: int,
+def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: tuple[int, ...],
                  blocks: bool = False) -> ExpertTimes:
-    """One expert of the first drafting block, timed in full precision and as each
-    quantized copy in the layout this device multiplies it in (quant.device_layout)."""
+    """One expert of the first drafting block, timed in full precision (on the draft's rows,
+    and on each of `verify_rows`) and as each quantized copy in the layout this device
+    multiplies it in (quant.device_layout)."""
     spec, layer = ckpt.config.expert, ckpt.config.draft_layer_ids[0]
     exact = ckpt.expert_buffer(layer, 0, torch.float32)
     full = exact.to(device, dtype)
     x_draft = torch.randn(max(1, draft_rows), spec.hidden, device=device, dtype=dtype)
-    x_verify = torch.randn(max(1, verify_rows), spec.hidden, device=device, dtype=dtype)
     times = {FULL: timed(lambda: run_expert(full, x_draft, spec), MIN_TIME_S)}
     for mode in ways:
         if mode != FULL:
             copy = quantize_expert(exact, spec, BITS[mode]).to(device, draft_kernel_choices(spec, mode, device, blocks),
                                                                blocks)
             times[mode] = timed(lambda: quantized_expert_forward(x_draft, copy, spec), MIN_TIME_S)
-    return ExpertTimes(times, timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S))
+    verify = {}
+    for rows in sorted({max(1, r) for r in verify_rows}):
+        x_verify = torch.randn(rows, spec.hidden, device=device, dtype=dtype)
+        verify[rows] = timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S)
+    return ExpertTimes(times, verify)
 
 
 def with_measured_speeds(points: list[SplitPoint], seen: dict[str, float]) -> list[SplitPoint]:
@@ -179,36 +196,54 @@ def with_measured_speeds(points: list[SplitPoint], seen: dict[str, float]) -> li
     return [replace(p, seen_tokens_per_s=seen.get(p.key), scale=scale) for p in points]
 
 
+def verify_rows(sc: Scenario, batch: int, gamma: int) -> int:
+    """Rows one full-precision expert gets in a verify pass at `gamma` (B (gamma + 1) positions)."""
+    return math.ceil(batch * sc.shape.top_k * (gamma + 1) / sc.distinct(batch, gamma + 1))
+
+
 def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, gamma: int,
-            acceptance: float | None, times: ExpertTimes, key: str = "", rate: float = COST_RATE) -> SplitPoint:
-    """The split `start` describes, predicted on scenario `sc` with the experts' measured times."""
+            acceptance: float | None, times: ExpertTimes, key: str = "", rate: float = COST_RATE,
+            adapt: bool = False) -> SplitPoint:
+    """The split `start` describes, predicted on scenario `sc` with the experts' measured
+    times, at `gamma`, or (`adapt`: gamma tuned step by step, engine/gamma.py) at the gamma
+    up to MAX_GAMMA predicted fastest, where the tuner takes a run. Predicted at its first
+    gamma instead (16), a draft accepting half its tokens was charged 16 draft passes for
+    two tokens a step, and the splits' predictions ran 2-4x below what their runs measured."""
     plan, s = start.plan, sc.shape
     measured = acceptance is not None
     a = acceptance if measured else prior_acceptance(plan.cost, rate)
     verify_slots = (room - start.limit) // slot_bytes
     held = [how for how in plan.held.values() if how != SUBSTITUTE]  # a substituted pick runs one of these
     per_expert = sum(times.draft[how] for how in held) / len(held)
-    L = gamma + 1
     draft = pass_work(sc, batch, 1, 0, routed=False).time_s + s.step_moe_layers * sc.distinct(batch) * per_expert
-    verify = pass_work(sc, batch, L, 0, routed=False).time_s + s.step_moe_layers * sc.distinct(batch, L) * times.verify
     kept = min(s.num_experts, plan.full_per_block + verify_slots // max(1, s.step_moe_layers))
-    xfer = s.step_moe_layers * sc.fetch_s(sc.distinct(batch, L, exclude_hottest=kept))
-    exposed = max(0.0, xfer - sc.hardware.transfer_overlap * verify)
+
+    def step_s(g: int) -> float:
+        L = g + 1
+        verify = (pass_work(sc, batch, L, 0, routed=False).time_s
+                  + s.step_moe_layers * sc.distinct(batch, L) * times.verify_s(verify_rows(sc, batch, g)))
+        xfer = s.step_moe_layers * sc.fetch_s(sc.distinct(batch, L, exclude_hottest=kept))
+        return g * draft + verify + max(0.0, xfer - sc.hardware.transfer_overlap * verify)
+
+    gammas = range(1, max(gamma, MAX_GAMMA) + 1) if adapt else (gamma,)
+    g = max(gammas, key=lambda g: tokens_per_step(a, g) / step_s(g))
     quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
     return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
-                      tokens_per_step(a, gamma), gamma * draft + verify + exposed, batch, key, rate=rate)
+                      tokens_per_step(a, g), step_s(g), batch, g, key, rate=rate)
 
 
 def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
                  batch: int, gamma: int, measured: dict[str, float],
                  fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None, blocks: bool = False,
-                 ) -> tuple[SplitPoint, list[SplitPoint]]:
+                 adapt: bool = False) -> tuple[SplitPoint, list[SplitPoint]]:
     """(the fastest split, every split predicted). `measured`: per-token acceptance earlier
-    runs measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py)."""
+    runs measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py);
+    `adapt`: gamma is tuned step by step (predict's)."""
     c = ckpt.config
-    picks = batch * c.top_k
-    times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype, math.ceil(picks / sc.distinct(batch)),
-                         math.ceil(picks * (gamma + 1) / sc.distinct(batch, gamma + 1)), blocks)
+    longest = max(gamma, MAX_GAMMA) if adapt else gamma
+    times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype,
+                         math.ceil(batch * c.top_k / sc.distinct(batch)),
+                         (verify_rows(sc, batch, 1 if adapt else gamma), verify_rows(sc, batch, longest)), blocks)
     starts = []
     for ways in ways_to_try(fused_modes):
         for memory in split_candidates(room, slot_bytes):
@@ -218,7 +253,7 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
                 continue  # holds nothing in some block
             starts.append((start, history_key(ways, memory, c, slot_bytes)))
     rate = fitted_rate([(start.plan.cost, measured[key]) for start, key in starts if key in measured])
-    points = [predict(start, sc, room, slot_bytes, batch, gamma, measured.get(key), times, key, rate)
+    points = [predict(start, sc, room, slot_bytes, batch, gamma, measured.get(key), times, key, rate, adapt)
               for start, key in starts]
     if not points:
         raise SpecMoEError(f"--draft-memory auto: the {format_bytes(room)} the budget leaves for experts hold no "

@@ -16,11 +16,11 @@ def learn_from_run(engine, stats: dict) -> None:
     if draft is not None and acceptance is not None:
         history.record(fingerprint, draft, acceptance, engine.counters.drafted)
     opts = engine.options
-    adapted = draft is not None and opts.adapt_gamma
-    if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4 and not adapted:
-        # shorter runs say nothing about speed; nor does a run whose gamma moved about that of its first gamma
-        speeds.record(fingerprint, speeds.tier_of(opts),
-                      speeds.policy_key(policy.name, draft, opts.gamma if draft else None),
+    if policy.name in CANDIDATES + ("host",) and stats["decode_tokens_per_s"] and stats["steps"] >= 4:
+        # shorter runs say nothing about speed; a run whose gamma the tuner moved is kept
+        # under its own γ key, not its first gamma's
+        gamma = (speeds.ADAPTED if opts.adapt_gamma else opts.gamma) if draft else None
+        speeds.record(fingerprint, speeds.tier_of(opts), speeds.policy_key(policy.name, draft, gamma),
                       stats["batch_size"], stats["decode_tokens_per_s"])
 
 

@@ -13,8 +13,8 @@ behind. Nothing recorded: the model alone (a fresh machine).
 A speed belongs to the setup that produced it: the tier with its bandwidth cap (a capped
 tier is a slower machine), and for SpecMoE the draft and the γ the run started with (a
 γ = 1 run, or the paper's draft at low acceptance, says nothing about an int8 draft at
-γ = 5). Kept together, they taught `auto` that SpecMoE was slow from experiments that ran
-it slowly on purpose.
+γ = 5), or `auto` where the tuner chose γ step by step (the default run). Kept together,
+they taught `auto` that SpecMoE was slow from experiments that ran it slowly on purpose.
 """
 
 from __future__ import annotations
@@ -41,21 +41,26 @@ def tier_of(opts) -> str:
     return tier_key(opts.offload, opts.offload_bandwidth, opts.dtype)
 
 
-def policy_key(policy: str, draft: str | None = None, gamma: int | None = None) -> str:
-    """The policy as speeds are kept: its name, and for SpecMoE `specmoe:<draft>:<γ>`."""
+ADAPTED = "auto"  # the γ of a run whose γ the tuner chose step by step (the default)
+
+
+def policy_key(policy: str, draft: str | None = None, gamma: int | str | None = None) -> str:
+    """The policy as speeds are kept: its name, and for SpecMoE `specmoe:<draft>:<γ>`, γ a
+    fixed one or ADAPTED."""
     return f"{policy}:{draft}:{gamma}" if draft is not None else policy
 
 
-def draft_variants(fingerprint: str, tier: str, policy: str = "specmoe") -> list[tuple[str, int]]:
-    """The (draft, γ) setups of a speculative policy with speeds recorded on this tier."""
+def draft_variants(fingerprint: str, tier: str, policy: str = "specmoe") -> list[tuple[str, int | str]]:
+    """The (draft, γ) setups of a speculative policy with speeds recorded on this tier (γ an
+    int, or ADAPTED)."""
     out = []
     for key in read_json(FILE, well_formed).get(fingerprint, {}):
         recorded_tier, _, rest = key.partition("/")
         name, _, setup = rest.partition(":")
         draft, _, gamma = setup.rpartition(":")
-        if recorded_tier == tier and name == policy and draft and gamma.isdecimal():
-            out.append((draft, int(gamma)))
-    return sorted(out)
+        if recorded_tier == tier and name == policy and draft and (gamma.isdecimal() or gamma == ADAPTED):
+            out.append((draft, int(gamma) if gamma.isdecimal() else gamma))
+    return sorted(out, key=str)
 
 
 def well_formed(data: dict) -> bool:
