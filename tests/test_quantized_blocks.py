@@ -12,8 +12,6 @@ its log-probabilities by 0.005 (median) from `--dtype float32`'s exact ones here
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -36,10 +34,12 @@ from specmoe.base.checkpoint import Checkpoint  # noqa: E402
 from specmoe.base.quantization import ExpertQuant, MatrixQuant  # noqa: E402
 from specmoe.base.quantized_tensors import pack_blob  # noqa: E402
 from specmoe.base.specs import ExpertSpec  # noqa: E402
+from specmoe.base.units import format_bytes  # noqa: E402
 from specmoe.experts.formats import QuantizedFormat, expert_format  # noqa: E402
 from specmoe.experts.quantized_blocks import QuantizedBlocksFormat  # noqa: E402
 from specmoe.kernels import blockdot  # noqa: E402
 from specmoe.kernels.packed import PackedMatrix  # noqa: E402
+from specmoe.tools.info import model_info  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not blockdot.available(), reason=f"block kernels unavailable: {blockdot.library().why}")
 
@@ -301,3 +301,19 @@ def test_every_policy_gives_residents_tokens(quantized, resident_tokens, tmp_pat
         assert stats["transfer_bytes"] == pool.expert_bytes * stats["experts_fetched"] > 0
     assert all(pool.format.holds_blocks(pool.buffers[slot]) for slot in pool.table.slot_of.values())
     engine.close()
+
+
+def test_info_names_the_block_encoding_and_the_bytes_held(quantized):
+    """`specmoe info`: how the experts are computed, and their bytes in the pool and as moved."""
+    path = quantized("w4a16")
+    config = Checkpoint(path).config
+    fmt = expert_format(config, torch.float32, "cpu", as_stored=True)
+    n = len(config.moe_layer_ids) * config.num_experts
+    info = model_info(str(path), device="cpu")
+    experts = info["weights_compute"]["experts"]
+    assert experts.startswith("int4: as stored, re-encoded exactly as Q4_0 blocks in their slots"), experts
+    assert experts.endswith(f"; {format_bytes(fmt.slot_bytes * n)} held in their slots, "
+                            f"{format_bytes(fmt.nbytes * n)} stored and moved"), experts
+    assert info["fused_kernels"]["experts int4 experts"].startswith("as stored")
+    reference = model_info(str(path), device="cpu", dtype="float32")["weights_compute"]["experts"]
+    assert reference.startswith("int4: dequantized per call;"), reference
