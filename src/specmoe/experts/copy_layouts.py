@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base.errors import SpecMoEError
 from ..base.gguf_quants import row_bytes
 from ..kernels import blockdot
 from ..kernels.packed import PackedMatrix
@@ -128,15 +129,12 @@ class BlockMatrix:
     def from_quantized(cls, q) -> BlockMatrix:
         out, n = q.out_features, q.in_features
         lead = q.scales.shape[:-2]
-        scales = q.scales.repeat_interleave(q.group // BLOCK, dim=-1).contiguous()  # [..., out, n / 32]
-        head = scales.view(torch.uint8).reshape(*lead, out, n // BLOCK, 2)
+        scales = q.scales.repeat_interleave(q.group // BLOCK, dim=-1)  # [..., out, n / 32]
         if q.bits == 8:
-            body = q.data.view(torch.uint8).reshape(*lead, out, n // BLOCK, BLOCK)
-        else:  # Q4_0: value j of a block in byte j's low nibble, value j + 16 in its high one
+            codes = q.data.view(torch.uint8).reshape(*lead, out, n // BLOCK, BLOCK)
+        else:
             codes = unpack(q.data, 4, out * n).reshape(*lead, out, n // BLOCK, BLOCK)
-            body = codes[..., :16] | (codes[..., 16:] << 4)
-        raw = torch.cat([head, body], dim=-1).reshape(*lead, -1).contiguous()
-        return cls(raw, BLOCK_TYPES[q.bits], out, n)
+        return cls(block_rows(scales, codes, q.bits), BLOCK_TYPES[q.bits], out, n)
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +155,18 @@ class BlockMatrix:
 
     def scratch_bytes(self, dtype: torch.dtype) -> int:
         return 0
+
+
+def block_rows(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Q8_0 / Q4_0 rows, uint8 [..., out * row_bytes], from each block's float16 scale
+    [..., out, in / 32] and its 32 codes as bytes [..., out, in / 32, 32]: int8 codes as
+    they are, int4 codes unsigned (q + 8, as Q4_0 holds them: d * (nibble - 8))."""
+    if scales.dtype != torch.float16:  # a block's scale is float16: any other dtype would be rounded here
+        raise SpecMoEError(f"internal: ggml block scales must be float16, not {scales.dtype}")
+    head = scales.contiguous().view(torch.uint8).reshape(*codes.shape[:-1], 2)
+    # Q4_0: value j of a block in byte j's low nibble, value j + 16 in its high one
+    body = codes if bits == 8 else codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([head, body], dim=-1).reshape(*codes.shape[:-3], -1).contiguous()
 
 
 def block_bytes(bits: int, out_features: int, in_features: int) -> int:

@@ -16,6 +16,11 @@ offload tiers store and a fetch moves, and the layout a device-pool slot holds i
   Such a slot is the blob's size plus its scales once more (bfloat16 pairs of scale and
   zero); what moves is still the blob. Only where kernels.py lets both matrices' shapes
   through on this machine (requirements, self-check); else the blob, dequantized.
+- `QuantizedBlocksFormat` (quantized_blocks.py): where the engine computes as stored (the
+  CPU's default), int8 / int4 experts whose Q8_0 / Q4_0 re-encoding holds the same
+  numbers: a slot holds those blocks, the block kernels multiply them; what moves is
+  still the blob. Where the re-encoding would not be exact, `QuantizedFormat`'s `kernels`
+  says why.
 
 Every policy computes an expert through its format, so all of them compute the same
 numbers from the same bytes: their outputs are the resident (quantized) model's.
@@ -40,6 +45,7 @@ from ..model.layers import as_dtype
 from ..model.moe import expert_forward, expert_views, run_expert
 from .gguf_format import GGUFFormat
 from .kernels import ALIGN, KernelChoice, Shape, choose, int4_mm, int4_pack
+from .quantized_blocks import QuantizedBlocksFormat, refusal
 
 
 class ExpertFormat:
@@ -151,13 +157,18 @@ class FloatFormat(ExpertFormat):
 class QuantizedFormat(ExpertFormat):
     storage_dtype = torch.uint8
 
-    def __init__(self, spec: ExpertSpec, quant: ExpertQuant, device=None, dtype: torch.dtype | None = None):
+    def __init__(self, spec: ExpertSpec, quant: ExpertQuant, device=None, dtype: torch.dtype | None = None,
+                 not_as_stored: str | None = None):
+        """`not_as_stored`: why the block kernels, which would multiply these experts as
+        stored here, do not (quantized_blocks.refusal)."""
         self.spec, self.quant, self.numel = spec, quant, quant.nbytes
         self.sections = quant.sections()
         m = quant.w_in
         self.name = f"{quant.scheme}-{m.block_rows}x{m.group}-{m.scale_dtype}"
         choices = int4_kernel_choices(quant, torch.device(device), dtype) if device is not None else {}
         self.kernels = {s.key: c.describe() for s, c in choices.items()}  # for the run statistics
+        if not_as_stored:
+            self.kernels[f"{quant.scheme} experts"] = f"dequantized per call, not as stored: {not_as_stored}"
         self.converts = bool(choices) and all(c.fused for c in choices.values())
         self.slot_sections = _kernel_sections(quant) if self.converts else self.sections
 
@@ -225,12 +236,17 @@ def expert_format(config: ModelConfig, dtype: torch.dtype, device=None,
                   checkpoint_dtype: torch.dtype | None = None, as_stored: bool = False) -> ExpertFormat:
     """How this model's experts are held: the checkpoint's quantized blobs, else float
     buffers (`stored_dtype`); `device` (where the pool is) decides a slot's layout;
-    `as_stored`: a GGUF expert is multiplied in its blocks, a bfloat16 one in bfloat16
-    (kernels/blockdot.py)."""
+    `as_stored`: a GGUF expert is multiplied in its blocks, a bfloat16 one in bfloat16, a
+    quantized checkpoint's int8 / int4 one as Q8_0 / Q4_0 blocks where those hold its
+    numbers (experts/quantized_blocks.py; kernels/blockdot.py)."""
     if config.expert_quant is not None and config.expert_quant.source == "gguf":  # a GGUF file's own encoding
         return GGUFFormat(config.expert, config.expert_quant, as_stored)
     if config.expert_quant is not None:
-        return QuantizedFormat(config.expert, config.expert_quant, device, dtype)
+        spec, quant = config.expert, config.expert_quant
+        refused = refusal(quant) if as_stored else None
+        if as_stored and refused is None:  # int8 / int4 experts as Q8_0 / Q4_0 blocks in their slots
+            return QuantizedBlocksFormat(spec, quant, QuantizedFormat(spec, quant))
+        return QuantizedFormat(spec, quant, device, dtype, refused)
     return FloatFormat(config.expert, dtype, stored_dtype(checkpoint_dtype, dtype), as_stored)
 
 

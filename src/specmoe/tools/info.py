@@ -106,7 +106,7 @@ def model_info(model=None, device_memory=None, dtype="auto", batch_size=16, max_
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": c.max_position_embeddings,
     }
-    info.update(_encodings(ckpt, as_stored(dtype, resolve_device(device)), stored))
+    info.update(_encodings(ckpt, as_stored(dtype, resolve_device(device)), stored, fmt))
     if c.seq2seq:  # the encoder runs once per request, the decoder every step (and drafts)
         info.update(
             encoder_decoder=True, encoder_layers=c.encoder_layers, decoder_layers=len(c.decoder_layer_ids),
@@ -177,14 +177,30 @@ def _limit_plan(info: dict, c, options: EngineConfig, fixed: int, fmt, elem: int
 AS_STORED = ("embedding", "attention", "lm head", "experts", "shared experts", "dense MLP")
 
 
-def _encodings(ckpt, kernels_here: bool, stored: bool) -> dict:
-    """A GGUF file's encodings per kind of tensor, and how the engine computes each."""
+def _encodings(ckpt, kernels_here: bool, stored: bool, fmt: ExpertFormat) -> dict:
+    """A GGUF file's encodings per kind of tensor, and how the engine computes each; a
+    safetensors checkpoint's where it multiplies some as stored or has quantized experts."""
     if isinstance(ckpt, GGUFCheckpoint):
         return {**ckpt.summary(), "weights_compute": gguf_compute(ckpt, kernels_here)}
+    quant = ckpt.config.expert_quant
+    compute = {}
+    if quant is not None:
+        compute["experts"] = quantized_experts_compute(ckpt.config, fmt)
     if stored:
-        return {"weights_compute": {"kernel": f"bfloat16 matrices and experts multiplied as stored by "
-                                              f"{blockdot.library().describe()}; norms and routers in float32"}}
-    return {}
+        what = "bfloat16 matrices" if quant is not None else "bfloat16 matrices and experts"
+        compute["kernel"] = (f"{what} multiplied as stored by {blockdot.library().describe()}; "
+                             "norms and routers in float32")
+    return {"weights_compute": compute} if compute else {}
+
+
+def quantized_experts_compute(c, fmt: ExpertFormat) -> str:
+    """How a quantized checkpoint's experts are computed (`fmt`: as the engine holds them) and
+    the bytes they take: in their slots, and as stored and moved."""
+    n = len(c.moe_layer_ids) * c.num_experts
+    how = fmt.kernels.get(f"{c.expert_quant.scheme} experts") or (
+        "converted for torch's fused int4 kernel (fused_kernels)" if fmt.converts else "dequantized per call")
+    return (f"{c.expert_quant.scheme}: {how}; {format_bytes(fmt.slot_bytes * n)} held in their slots, "
+            f"{format_bytes(fmt.nbytes * n)} stored and moved")
 
 
 def _held(t, kind: str, stored: bool) -> tuple[bool, int]:
