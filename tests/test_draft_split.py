@@ -435,3 +435,26 @@ def test_a_split_is_corrected_only_by_runs_whose_gamma_was_chosen_as_this_runs_w
     assert seen(adapt_gamma=True) == {split: 30.0}
     assert seen(adapt_gamma=False, gamma=16) == {split: 5.0}
     assert seen(adapt_gamma=False, gamma=5) == {}
+
+
+def test_copies_as_big_as_the_experts_are_no_split_of_their_own(tmp_path):
+    from gguf_factories import make_gguf
+
+    from specmoe.autotune.choose import _fused_modes
+    from specmoe.experts.quant import draft_copy_bytes
+
+    def modes(model):
+        """(the single copy formats the planner tries, those this machine multiplies fused)."""
+        llm = LLM(model=str(model), device="cpu", policy="resident", max_batch_size=2, max_model_len=32)
+        runtime = llm.engine.policy.runtime
+        fused = tuple(m for m in ("int8", "int4") if not draft_copy_bytes(
+            runtime.config.expert, m, runtime.device, runtime.dtype, runtime.computes_as_stored)[1])
+        llm.close()
+        return _fused_modes(runtime), fused
+
+    hf, q4k = make_gguf(tmp_path, "mixtral", "Q4_K", block=256)
+    tried, fused = modes(q4k)
+    # int4 copies of Q4_K experts hold as many bytes, int8 ones more: pinning the experts wins
+    assert "int4" in fused and tried == ()
+    tried, fused = modes(hf)  # the same model's float32 experts: copies of a quarter of their bytes or less
+    assert tried == fused and "int4" in tried
