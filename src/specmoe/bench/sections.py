@@ -215,8 +215,8 @@ SECTIONS = (
             "`specmoe quantize` writes the demo model's experts as compressed-tensors int8 and int4 (groups of 128, "
             "round to nearest); its peak resident memory is measured over the rewrite. Perplexity: every held-out "
             "paragraph, float32, experts resident. Speeds: the experts stay quantized on the disk tier, in every "
-            "transfer and in the pool, and are dequantized where they are computed (int4 in bfloat16 through "
-            "torch's fused int4 kernel).",
+            "transfer and in the pool, and were dequantized where computed (int4: torch's fused kernel; since, the "
+            "default multiplies them as Q4_0 / Q8_0 blocks: the quantized-as-stored section measures that).",
             (Run("quantized.json", "python benchmarks/quantized_models.py --json {out}/quantized.json",
                  "python benchmarks/quantized_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/quantized.json"),),
