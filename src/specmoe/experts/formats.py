@@ -44,7 +44,7 @@ from ..kernels import blockdot
 from ..model.layers import as_dtype
 from ..model.moe import expert_forward, expert_views, run_expert
 from .gguf_format import GGUFFormat
-from .kernels import ALIGN, KernelChoice, Shape, choose, int4_mm, int4_pack
+from .kernels import ALIGN, KernelChoice, Shape, aligned_sections, choose, int4_mm, int4_pack
 from .quantized_blocks import QuantizedBlocksFormat, refusal
 
 
@@ -367,8 +367,4 @@ def _kernel_sections(quant: ExpertQuant) -> dict[str, tuple[int, int]]:
         sizes += [(f"{name}.packed", m.rows * m.cols // 2), (f"{name}.scales_zeros", m.rows * (m.cols // m.group) * 4)]
     if quant.bias:
         sizes += [("b_in", 4 * quant.w_in.rows), ("b_out", 4 * quant.w_out.rows)]
-    out, offset = {}, 0
-    for name, n in sizes:
-        out[name] = (offset, n)
-        offset = -(-(offset + n) // ALIGN) * ALIGN
-    return out
+    return aligned_sections(sizes)

@@ -237,6 +237,15 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return _empty_aligned(t.numel(), t.dtype, t.device).view(t.shape).copy_(t)
 
 
+def aligned_sections(sizes: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
+    """name -> (offset, bytes) of sections laid out in turn, each at a multiple of ALIGN bytes."""
+    out, offset = {}, 0
+    for name, n in sizes:
+        out[name] = (offset, n)
+        offset = -(-(offset + n) // ALIGN) * ALIGN
+    return out
+
+
 def padded(numel: int, elem: int) -> int:
     """Elements one matrix of a stack takes with each matrix starting on an ALIGN boundary."""
     return -(-numel * elem // ALIGN) * ALIGN // elem

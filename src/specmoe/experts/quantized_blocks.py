@@ -35,7 +35,7 @@ from ..kernels.packed import PackedMatrix
 from ..model.layers import as_dtype
 from ..model.moe import expert_forward
 from .copy_layouts import BLOCK, block_rows
-from .kernels import ALIGN
+from .kernels import ALIGN, aligned_sections
 
 BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
 HOLDS_BLOB, HOLDS_BLOCKS = 0, 1  # the slot's last section: what it holds
@@ -178,9 +178,7 @@ def _slot_sections(quant: ExpertQuant, types: dict[str, str], blob_bytes: int) -
     sizes = [(name, m.rows * row_bytes(types[name], m.cols)) for name, m in matrices]
     if quant.bias:
         sizes += [("b_in", 4 * quant.w_in.rows), ("b_out", 4 * quant.w_out.rows)]
-    out, offset = {}, 0
-    for name, n in sizes:
-        out[name] = (offset, n)
-        offset = -(-(offset + n) // ALIGN) * ALIGN
-    out["holds"] = (max(offset, -(-blob_bytes // ALIGN) * ALIGN), 1)
+    out = aligned_sections(sizes)
+    end = max(offset + n for offset, n in out.values())
+    out["holds"] = (max(-(-end // ALIGN) * ALIGN, -(-blob_bytes // ALIGN) * ALIGN), 1)
     return out
