@@ -226,10 +226,10 @@ def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, 
         return g * draft + verify + max(0.0, xfer - sc.hardware.transfer_overlap * verify)
 
     gammas = range(1, max(gamma, MAX_GAMMA) + 1) if adapt else (gamma,)
-    g = max(gammas, key=lambda g: tokens_per_step(a, g) / step_s(g))
+    tokens, seconds, g = max(((tokens_per_step(a, g), step_s(g), g) for g in gammas), key=lambda t: t[0] / t[1])
     quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
     return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
-                      tokens_per_step(a, g), step_s(g), batch, g, key, rate=rate)
+                      tokens, seconds, batch, g, key, rate=rate)
 
 
 def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
