@@ -9,6 +9,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 from factories import (
     install_fixed_profile,
     random_prompts,
@@ -27,9 +28,11 @@ from specmoe.autotune.draft_split import (
     ExpertTimes,
     SplitPoint,
     fitted_rate,
+    kept_by_lru,
     predict,
     prior_acceptance,
     split_candidates,
+    ways_to_try,
     with_measured_speeds,
 )
 from specmoe.autotune import speeds
@@ -458,3 +461,70 @@ def test_copies_as_big_as_the_experts_are_no_split_of_their_own(tmp_path):
     assert "int4" in fused and tried == ()
     tried, fused = modes(hf)  # the same model's float32 experts: copies of a quarter of their bytes or less
     assert tried == fused and "int4" in tried
+
+
+@pytest.mark.parametrize("room_slots", [2.5, 3.0, 8.0, 11.0, 40.0])
+def test_the_papers_draft_is_tried_at_every_count_of_full_experts_a_block_that_fits(room_slots):
+    slot, blocks = 3 * 1024 + 7, 4
+    room = int(room_slots * slot)
+    got = split_candidates(room, slot, "none", blocks)
+    assert got == [n * blocks * slot for n in range(1, len(got) + 1)]
+    assert all((room - d) // slot >= LEAST_VERIFY_SLOTS for d in got)
+    assert (room - (len(got) + 1) * blocks * slot) // slot < LEAST_VERIFY_SLOTS  # the next count would not fit
+    assert "none" in ways_to_try(())
+
+
+def test_unpinned_slots_keep_a_blocks_experts_only_where_a_whole_steps_fetches_fit(reference, tmp_path):
+    llm = split_llm(reference, tmp_path, draft_memory=None)  # only for its runtime
+    sc = _scenario(llm)
+    s = sc.shape
+    fetched = s.step_moe_layers * sc.distinct(16, 2, exclude_hottest=1)
+    # passes visit the blocks in turn: slots fewer than a step's fetches are all reused first
+    assert kept_by_lru(sc, 16, 2, 1, math.floor(fetched) - 1) == 0
+    roomy = math.ceil(fetched) + s.step_moe_layers
+    assert kept_by_lru(sc, 16, 2, 1, roomy) == roomy // s.step_moe_layers >= 1
+    llm.close()
+
+
+def test_the_papers_draft_predicts_fewer_fetches_the_more_full_experts_it_pins(reference, tmp_path):
+    llm = split_llm(reference, tmp_path, draft_memory=None)  # only for its runtime
+    runtime = llm.engine.policy.runtime
+    slot, ckpt, blocks = runtime.slot_bytes, runtime.checkpoint, len(runtime.config.draft_layer_ids)
+    sc = _scenario(llm, slow_tier_read_bw=1e6, transfer_overlap=1e-6)  # fetches dominate
+    times = ExpertTimes({FULL: 1e-4}, {8: 2e-4})
+    room = (3 * blocks + LEAST_VERIFY_SLOTS) * slot
+
+    def at(n):
+        start = Start(ckpt, n * blocks * slot, None, slot, runtime.device, runtime.dtype, "none", None)
+        return predict(start, sc, room, slot, 16, 16, 0.0, times, adapt=True)
+
+    one, three = at(1), at(3)
+    assert (one.full_per_block, three.full_per_block) == (1, 3)
+    assert three.step_s < one.step_s
+    # nothing accepted: the tuned gamma is 0, plain decoding from the pinned experts
+    assert one.gamma == 0 and one.tokens_per_step == 1.0
+    # its ways are the engine's `none` (the split is taken as --draft-quant): a config takes it
+    assert one.draft_quant == "none"
+    EngineConfig(policy="specmoe", draft_quant=one.draft_quant, draft_memory=one.draft_memory)
+    llm.close()
+
+
+def test_the_planner_times_a_full_expert_as_the_pool_computes_it(tmp_path):
+    """A GGUF expert in its blocks, as the pool holds and multiplies it: its output is the
+    model's expert's (the float32 reference, within the blocks' activation rounding)."""
+    from gguf_factories import make_gguf
+
+    from specmoe.autotune.draft_split import pool_expert
+    from specmoe.model.moe import run_expert
+
+    _, q8 = make_gguf(tmp_path, "mixtral", "Q8_0")
+    llm = LLM(model=str(q8), device="cpu", policy="resident", max_batch_size=2, max_model_len=32)
+    runtime = llm.engine.policy.runtime
+    ckpt, spec = runtime.checkpoint, runtime.config.expert
+    layer = runtime.config.draft_layer_ids[0]
+    x = torch.randn(3, spec.hidden, generator=torch.Generator().manual_seed(0))
+    got = pool_expert(ckpt, layer, runtime.device, torch.float32, True)(x)
+    want = run_expert(ckpt.expert_buffer(layer, 0, torch.float32), x, spec)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())
+    llm.close()

@@ -372,6 +372,12 @@ def test_by_default_gamma_adapts_and_the_statistics_say_how_many_steps_decoded_p
     stats = llm.last_stats
     assert stats["token_ids_sha256"] == sha
     assert stats["plain_decoding_steps"] >= 1 and stats["steps"] >= 3
+    # a second call counts its own steps: never more plain steps than steps
+    tuner = llm.engine.decoder.tuner
+    before = tuner.plain_steps
+    llm.generate(prompts, GREEDY)
+    again = llm.last_stats
+    assert again["plain_decoding_steps"] == tuner.plain_steps - before <= again["steps"]
     fixed = spec_llm(path, budget, tmp_path / "fixed", gamma=4)
     assert not fixed.options.adapt_gamma and fixed.engine.decoder.tuner is None  # a gamma asked for is kept
     fixed.close()

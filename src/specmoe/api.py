@@ -83,6 +83,8 @@ class LLM:
         engine.counters = RunCounters()
         engine.policy.reset_stats()
         engine.budget.reset_peak()
+        tuner = engine.decoder.tuner if engine.decoder else None
+        plain_before = tuner.plain_steps if tuner is not None else 0  # the tuner lives as long as the engine
         start = time.perf_counter()
         seqs = [engine.add_request(p, sp, src_lang, tgt_lang) for p, sp in zip(prompts, params_list)]
         for seq in seqs:
@@ -98,9 +100,8 @@ class LLM:
             policy_stats["draft_dense"] = str(engine.draft_dense or engine.dtype).removeprefix("torch.")
         if engine.auto_plan:
             policy_stats.update(auto_choice=engine.policy.name, auto_plan=engine.auto_plan)
-        tuner = engine.decoder.tuner if engine.decoder else None
-        if tuner is not None:  # steps the tuned gamma spent at 0, plain decoding, since the engine started
-            policy_stats["plain_decoding_steps"] = tuner.plain_steps
+        if tuner is not None:  # steps of this call the tuned gamma spent at 0, plain decoding
+            policy_stats["plain_decoding_steps"] = tuner.plain_steps - plain_before
         self.last_stats = summarize(
             policy=opts.policy, batch_size=min(opts.max_batch_size, len(seqs)), gamma=engine.gamma,
             draft_experts=getattr(engine.policy, "draft_experts", None),

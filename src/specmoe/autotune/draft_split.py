@@ -4,8 +4,9 @@ verification's pool, chosen for this model, batch size and machine when the engi
 A bigger draft accepts more tokens per step but leaves verification fewer pool slots,
 so each verify pass fetches more; its copies' format sets what a draft pass costs. Each
 candidate is a draft memory D, a share of the room the budget leaves for experts, with
-the ways its experts may be held: the allocator's mix (`--draft-quant auto`) or one copy
-format. Each is planned as the engine would start it (`Start`: the allocation before
+the ways its experts may be held: the allocator's mix (`--draft-quant auto`), one copy
+format, or the paper's draft of full experts only (`none`, D a whole count of them per
+block). Full experts are pinned in the pool, where verification uses them too. Each is planned as the engine would start it (`Start`: the allocation before
 routing is seen, with its expected cost) and predicted in decode tokens/s:
 
 - tokens per step from the per-token acceptance an earlier run of this model measured
@@ -21,8 +22,8 @@ routing is seen, with its expected cost) and predicted in decode tokens/s:
   a fused int8 or int4 kernel, or the portable layout that dequantizes per call, which at
   real sizes is many times slower than accuracy alone would say), and the verify pass's
   fetches: the experts it picks beyond each block's N full-precision draft experts and
-  the share of the pool's other slots it keeps (the block's hottest), as far as
-  verification's compute does not hide them.
+  the pool's other slots keep (`kept_by_lru`), as far as verification's compute does
+  not hide them.
 
 Its best candidates are often predicted within a few percent of each other, closer than
 the model's error (real-size model, B = 16: 32.1 to 33.4 tok/s predicted for 70 to 90 %
@@ -45,8 +46,8 @@ from ..base.errors import SpecMoEError
 from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario, pass_work
 from ..costmodel.routing import tokens_per_step
+from ..experts.formats import checkpoint_expert_dtype, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, quantize_expert, quantized_expert_forward
-from ..model.moe import run_expert
 from ..policies.specmoe import WORKING_SLOTS
 from ..policies.specmoe.allocation import FULL, SUBSTITUTE
 from ..policies.specmoe.draft_memory import Start, draft_ways
@@ -134,16 +135,20 @@ def history_key(draft_quant: str, draft_memory: int, config, slot_bytes: int) ->
     return f"memory@{100 * draft_memory / expert_bytes:.1f}%:{draft_quant}"
 
 
-def split_candidates(room: int, slot_bytes: int) -> list[int]:
-    """Draft memories that leave verification at least LEAST_VERIFY_SLOTS slots."""
-    return [int(share * room) for share in SHARES if room - int(share * room) >= LEAST_VERIFY_SLOTS * slot_bytes]
+def split_candidates(room: int, slot_bytes: int, ways: str = "auto", blocks: int = 1) -> list[int]:
+    """Draft memories that leave verification at least LEAST_VERIFY_SLOTS slots: shares of
+    the room, or for the paper's draft (`none`) each count of full experts per block."""
+    most = room - LEAST_VERIFY_SLOTS * slot_bytes
+    if ways == "none":
+        return [n * blocks * slot_bytes for n in range(1, most // (blocks * slot_bytes) + 1)]
+    return [int(share * room) for share in SHARES if int(share * room) <= most]
 
 
 def ways_to_try(fused_modes: tuple[str, ...]) -> tuple[str, ...]:
     """The allocator's mix of every way, and each copy format this machine multiplies
     with a fused kernel (the portable layout dequantizes a matrix per call: at real sizes
     the allocator's accuracy-only choice can be many times slower)."""
-    return ("auto", *fused_modes)
+    return ("auto", *fused_modes, "none")
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,9 @@ def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, ve
     multiplies it in (quant.device_layout)."""
     spec, layer = ckpt.config.expert, ckpt.config.draft_layer_ids[0]
     exact = ckpt.expert_buffer(layer, 0, torch.float32)
-    full = exact.to(device, dtype)
+    run_full = pool_expert(ckpt, layer, device, dtype, blocks)
     x_draft = torch.randn(max(1, draft_rows), spec.hidden, device=device, dtype=dtype)
-    times = {FULL: timed(lambda: run_expert(full, x_draft, spec), MIN_TIME_S)}
+    times = {FULL: timed(lambda: run_full(x_draft), MIN_TIME_S)}
     for mode in ways:
         if mode != FULL:
             copy = quantize_expert(exact, spec, BITS[mode]).to(device, draft_kernel_choices(spec, mode, device, blocks),
@@ -183,8 +188,19 @@ def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, ve
     verify = {}
     for rows in sorted({max(1, r) for r in verify_rows}):
         x_verify = torch.randn(rows, spec.hidden, device=device, dtype=dtype)
-        verify[rows] = timed(lambda: run_expert(full, x_verify, spec), MIN_TIME_S)
+        verify[rows] = timed(lambda: run_full(x_verify), MIN_TIME_S)
     return ExpertTimes(times, verify)
+
+
+def pool_expert(ckpt, layer: int, device, dtype, blocks: bool):
+    """Expert 0 of `layer` as a pool slot holds it and the run computes it (x -> output):
+    a GGUF file's blocks multiplied as stored, where `blocks`. Timed widened to float32
+    instead, a Q4_K expert was charged 3.2 ms at two rows on the real-size file, several
+    times what the block kernel takes, and every split was predicted bound by compute."""
+    fmt = expert_format(ckpt.config, dtype, device, checkpoint_expert_dtype(ckpt), as_stored=blocks)
+    slot = torch.empty(fmt.slot_numel, dtype=fmt.slot_dtype, device=device)
+    fmt.prepare(fmt.read(ckpt, layer, 0).to(device), slot)
+    return lambda x: fmt.forward(slot, x)
 
 
 def with_measured_speeds(points: list[SplitPoint], seen: dict[str, float]) -> list[SplitPoint]:
@@ -216,20 +232,35 @@ def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, 
     held = [how for how in plan.held.values() if how != SUBSTITUTE]  # a substituted pick runs one of these
     per_expert = sum(times.draft[how] for how in held) / len(held)
     draft = pass_work(sc, batch, 1, 0, routed=False).time_s + s.step_moe_layers * sc.distinct(batch) * per_expert
-    kept = min(s.num_experts, plan.full_per_block + verify_slots // max(1, s.step_moe_layers))
 
     def step_s(g: int) -> float:
         L = g + 1
         verify = (pass_work(sc, batch, L, 0, routed=False).time_s
                   + s.step_moe_layers * sc.distinct(batch, L) * times.verify_s(verify_rows(sc, batch, g)))
-        xfer = s.step_moe_layers * sc.fetch_s(sc.distinct(batch, L, exclude_hottest=kept))
+        kept = plan.full_per_block + kept_by_lru(sc, batch, L, plan.full_per_block, verify_slots)
+        xfer = s.step_moe_layers * sc.fetch_s(sc.distinct(batch, L, exclude_hottest=min(s.num_experts, kept)))
         return g * draft + verify + max(0.0, xfer - sc.hardware.transfer_overlap * verify)
 
-    gammas = range(1, max(gamma, MAX_GAMMA) + 1) if adapt else (gamma,)
+    gammas = range(0, max(gamma, MAX_GAMMA) + 1) if adapt else (gamma,)
     tokens, seconds, g = max(((tokens_per_step(a, g), step_s(g), g) for g in gammas), key=lambda t: t[0] / t[1])
-    quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
+    quant = {1: start.options.allowed[-1]}.get(len(start.options.allowed), "auto")
+    quant = "none" if quant == FULL else quant  # the paper's draft: full experts only
     return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
                       tokens, seconds, batch, g, key, rate=rate)
+
+
+def kept_by_lru(sc: Scenario, batch: int, positions: int, pinned: int, slots: int) -> int:
+    """Experts per block the pool's unpinned slots still hold when a verify pass comes back
+    to the block. They are reused least recently first, and passes visit the blocks in turn,
+    so they keep a block's experts only where a whole step's fetches fit in them; otherwise
+    every slot is taken by the blocks after it before it is read again (a cyclic pattern,
+    LRU's worst case). Counted as keeping the block's hottest, as an earlier model did for
+    every slot: on the real-size Q4_K_M file at 50 %, B = 16, its 24 unpinned slots were
+    predicted to keep 3 experts a block, and the verify passes read 121 of the 128 experts
+    every step."""
+    s = sc.shape
+    fetched = s.step_moe_layers * sc.distinct(batch, positions, exclude_hottest=pinned)
+    return slots // max(1, s.step_moe_layers) if slots >= fetched else 0
 
 
 def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
@@ -246,7 +277,7 @@ def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: i
                          (verify_rows(sc, batch, 1 if adapt else gamma), verify_rows(sc, batch, longest)), blocks)
     starts = []
     for ways in ways_to_try(fused_modes):
-        for memory in split_candidates(room, slot_bytes):
+        for memory in split_candidates(room, slot_bytes, ways, len(c.draft_layer_ids)):
             try:
                 start = Start(ckpt, memory, budget_limit, slot_bytes, device, dtype, ways, cache, blocks=blocks)
             except SpecMoEError:
