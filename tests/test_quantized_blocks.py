@@ -1,9 +1,10 @@
-"""A compressed-tensors checkpoint's int8 / int4 experts multiplied as stored on the CPU
-(`--dtype auto`): each expert's matrices become Q8_0 / Q4_0 rows in its pool slot where
+"""A compressed-tensors checkpoint's int8 / int4 experts, and GPT-OSS's MXFP4 ones, multiplied
+as stored on the CPU (`--dtype auto`): each expert's matrices become Q8_0 / Q4_0 / MXFP4
+rows in its pool slot where
 that holds the checkpoint's numbers exactly, and the block kernels multiply them with
 8-bit activations, as they do a GGUF file's; where it would not (float32 scales, groups
-not whole blocks of 32, FP8, a scale float16 does not hold), the experts are dequantized
-per call as before, and the format says why.
+not whole blocks of 32, FP8, a scale float16 does not hold, an exponent that is not a
+number), the experts are dequantized per call as before, and the format says why.
 
 The reference is transformers' float32 model with the experts' exact float32 weights
 (codes unpacked by the compressed-tensors library, times their scales in float32):
@@ -317,3 +318,94 @@ def test_info_names_the_block_encoding_and_the_bytes_held(quantized):
     assert info["fused_kernels"]["experts int4 experts"].startswith("as stored")
     reference = model_info(str(path), device="cpu", dtype="float32")["weights_compute"]["experts"]
     assert reference.startswith("int4: dequantized per call;"), reference
+
+
+# --- GPT-OSS's MXFP4 experts ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tiny_ckpt, tmp_path_factory):
+    """A tiny GPT-OSS checkpoint with its experts in MXFP4, as the released ones hold them."""
+    import shutil
+
+    from factories import to_mxfp4
+
+    out = tmp_path_factory.mktemp("mxfp4") / "ckpt"
+    shutil.copytree(tiny_ckpt("gpt_oss", "fused", intermediate_size=INTER), out)
+    return to_mxfp4(out)
+
+
+def test_mxfp4_experts_are_mxfp4_blocks_holding_the_checkpoints_values_bit_for_bit(gpt_oss_mxfp4):
+    """Each block: the exponent byte as stored, the e2m1 codes in ggml's nibble order; the
+    blocks' values are the blob's dequantized ones (the reference mode's, which is
+    transformers' own dequantization: tests/test_quantized_checkpoints.py)."""
+    from specmoe.experts.formats import dequantize
+
+    ckpt = Checkpoint(gpt_oss_mxfp4)
+    q, layer = ckpt.config.expert_quant, ckpt.config.moe_layer_ids[-1]
+    fmt = expert_format(ckpt.config, torch.float32, "cpu", as_stored=True)
+    assert isinstance(fmt, QuantizedBlocksFormat) and set(fmt.types.values()) == {"MXFP4"}
+    assert fmt.nbytes == q.nbytes and not fmt.one_call  # biases, GPT-OSS's clamped activation
+    slot, plain = torch.empty(fmt.slot_numel, dtype=fmt.slot_dtype), fmt.dequantizing
+    for e in (0, ckpt.config.num_experts - 1):
+        stored = fmt.read(ckpt, layer, e)
+        fmt.prepare(stored, slot)
+        assert fmt.holds_blocks(slot)
+        for name, m in (("w_in", q.w_in), ("w_out", q.w_out)):
+            want = dequantize(plain.section(stored, f"{name}.codes"), plain.section(stored, f"{name}.scales"), m,
+                              torch.float32)
+            got = PackedMatrix.of(fmt.section(slot, name), "MXFP4", m.rows, m.cols).dequantize()
+            assert torch.equal(got, want), name
+
+
+def test_an_mxfp4_exponent_that_is_not_a_number_keeps_the_experts_blob():
+    spec = ExpertSpec(32, 32)
+    w_in, w_out = MatrixQuant(64, 32, "fp4", 1, 32, "e8m0"), MatrixQuant(32, 32, "fp4", 1, 32, "e8m0")
+    quant = ExpertQuant("mxfp4", "mxfp4", w_in, w_out)
+    gen = torch.Generator().manual_seed(2)
+    parts = [(torch.randint(0, 16, (m.rows, m.cols), generator=gen, dtype=torch.uint8),
+              torch.randint(120, 127, m.scale_shape, generator=gen, dtype=torch.uint8)) for m in (w_in, w_out)]
+    plain = QuantizedFormat(spec, quant)
+    fmt = QuantizedBlocksFormat(spec, quant, plain)
+    slot = torch.empty(fmt.slot_numel, dtype=torch.uint8)
+    fmt.prepare(pack_blob(quant, *parts), slot)
+    assert fmt.holds_blocks(slot)
+    parts[1][1][3, 0] = 255
+    blob = pack_blob(quant, *parts)
+    fmt.prepare(blob, slot)
+    assert not fmt.holds_blocks(slot)
+    x = torch.randn(2, 32, generator=gen)
+    got, want = fmt.forward(slot, x), plain.forward(blob, x)
+    assert want.isnan().any() and torch.allclose(got, want, rtol=0, atol=0, equal_nan=True)  # as the reference
+
+
+def test_mxfp4_log_probabilities_are_the_reference_modes_within_the_activations_rounding(gpt_oss_mxfp4):
+    prompts = random_prompts(6, VOCAB, 3, 24, seed=8)
+    exact = llm(gpt_oss_mxfp4, dtype="float32")
+    want = [torch.as_tensor(w) for w in exact.score(prompts)]
+    assert type(exact.engine.policy.format) is QuantizedFormat
+    exact.close()
+    stored = llm(gpt_oss_mxfp4)
+    assert type(stored.engine.policy.format) is QuantizedBlocksFormat
+    diffs = torch.cat([(torch.as_tensor(g) - w).abs().amax(-1) for g, w in zip(stored.score(prompts), want)])
+    assert diffs.median() <= MEDIAN_TOL, diffs
+    assert (diffs > POSITION_TOL).float().mean() <= FLIPPED_SHARE, diffs
+    assert diffs.max() > 0  # the blocks, with 8-bit activations, not the reference mode again
+    stored.close()
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("policy", ["ondemand", "specmoe", "host"])
+def test_every_policy_gives_residents_tokens_on_mxfp4_experts(gpt_oss_mxfp4, tmp_path, policy, batch):
+    prompts = random_prompts(16, VOCAB, 3, 18, seed=5)
+    resident = llm(gpt_oss_mxfp4, max_batch_size=batch)
+    resident.generate(prompts, GREEDY)
+    sha = resident.last_stats["token_ids_sha256"]
+    resident.close()
+    engine = llm(gpt_oss_mxfp4, policy=policy, offload="host" if policy == "host" else "disk", device_memory="60%",
+                 offload_dir=str(tmp_path), max_batch_size=batch)
+    engine.generate(prompts, GREEDY)
+    assert engine.last_stats["token_ids_sha256"] == sha
+    pool = engine.engine.policy.pool
+    assert all(pool.format.holds_blocks(pool.buffers[slot]) for slot in pool.table.slot_of.values())
+    engine.close()

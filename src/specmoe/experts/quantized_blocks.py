@@ -1,6 +1,6 @@
 """A quantized safetensors checkpoint's int8 / int4 experts (compressed-tensors w8a16 /
-w4a16, as llm-compressor and `specmoe quantize` write them) multiplied as ggml blocks by
-the block kernels, where the engine computes as stored (the CPU's default:
+w4a16, as llm-compressor and `specmoe quantize` write them) and fp4 ones (GPT-OSS's
+MXFP4) multiplied as ggml blocks by the block kernels, where the engine computes as stored (the CPU's default:
 kernels/blockdot.py, activations rounded to 8 bits per block of 32 as for a GGUF file).
 
 The re-encoding is exact, or not done:
@@ -9,6 +9,9 @@ The re-encoding is exact, or not done:
 - an int4 matrix is Q4_0 blocks: the blob holds q + 8 two to a byte, the even column in
   the low nibble (base/quantization.py); Q4_0 holds value j of a block in byte j's low
   nibble and value j + 16 in its high one, as d * (nibble - 8);
+- an fp4 matrix is MXFP4 blocks: its e8m0 exponent byte, then the block's e2m1 codes in
+  Q4_0's nibble order (ggml's e2m1 table is doubled and its exponent halved: the same
+  values); an exponent of 255 (not a number, by the OCP MX format) keeps the blob;
 - only where every group holds whole blocks (`in` and the group size multiples of 32),
   and every scale of the expert is a float16 number: checked as the expert enters its
   slot. A bfloat16 scale below 2^-17 or above 65504 is rounded by float16 (float32 scales
@@ -37,7 +40,8 @@ from ..model.moe import expert_forward
 from .copy_layouts import BLOCK, block_rows
 from .kernels import ALIGN, aligned_sections
 
-BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_0", "fp4": "MXFP4"}
+NAN_E8M0 = 255  # an e8m0 byte that is no power of two
 HOLDS_BLOB, HOLDS_BLOCKS = 0, 1  # the slot's last section: what it holds
 
 
@@ -47,11 +51,15 @@ def refusal(quant: ExpertQuant) -> str | None:
     for name, m in (("w_in", quant.w_in), ("w_out", quant.w_out)):
         if m.codes == "fp8":
             return "fp8 codes: no ggml block holds e4m3 values exactly"
-        if m.codes not in BLOCK_TYPES:  # fp4 (GPT-OSS): ggml's MXFP4 blocks would hold them
-            return f"{m.codes} codes: not re-encoded as ggml blocks (only int8 and int4 are)"
+        if m.codes not in BLOCK_TYPES:
+            return f"{m.codes} codes: not re-encoded as ggml blocks (only int8, int4 and fp4 are)"
         if m.cols % BLOCK or min(m.group, m.cols) % BLOCK:
             return f"{name}'s groups of {min(m.group, m.cols)} of {m.cols} columns are not whole blocks of {BLOCK}"
-        if m.scale_dtype not in ("bfloat16", "float16"):
+        if m.codes == "fp4":
+            if m.scale_dtype != "e8m0" or m.group != BLOCK:
+                return f"fp4 codes with {m.scale_dtype} scales per {m.group} columns: MXFP4 blocks hold an e8m0 " \
+                       f"exponent per {BLOCK}"
+        elif m.scale_dtype not in ("bfloat16", "float16"):
             return f"{m.scale_dtype} scales: a block's float16 scale would round them"
     return None
 
@@ -63,14 +71,25 @@ def float16_scales(scales: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.to(scales.dtype), scales) else None
 
 
+def block_scales(scales: torch.Tensor, m: MatrixQuant) -> torch.Tensor | None:
+    """A matrix's scales as its blocks hold them, or None where they cannot hold them all:
+    e8m0 exponents as they are (but the byte that is not a number), else float16 scales."""
+    if m.codes == "fp4":
+        return None if bool((scales == NAN_E8M0).any()) else scales
+    return float16_scales(scales)
+
+
 def matrix_blocks(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant) -> torch.Tensor:
-    """One matrix's blob codes (uint8 section) and its float16 scales [scale rows, column
-    groups] as Q8_0 / Q4_0 rows: uint8 [rows * row_bytes]."""
+    """One matrix's blob codes (uint8 section) and its block scales [scale rows, column
+    groups] (`block_scales`) as Q8_0 / Q4_0 / MXFP4 rows: uint8 [rows * row_bytes]."""
     per_block = expand_scales(scales, (m.block_rows, m.group // BLOCK), (m.rows, m.cols // BLOCK))
     if m.codes == "int8":
         values = codes.view(m.rows, m.cols // BLOCK, BLOCK)
-    else:  # stored as q + 8, which Q4_0 keeps
+    else:  # int4 stored as q + 8, which Q4_0 keeps; fp4 as e2m1 codes, which MXFP4 keeps
         values = unpack_nibbles(codes.view(m.rows, m.cols // 2)).view(m.rows, m.cols // BLOCK, BLOCK)
+    if m.codes == "fp4":  # the exponent byte, then Q4_0's nibble order (value j low, j + 16 high)
+        body = values[..., :16] | (values[..., 16:] << 4)
+        return torch.cat([per_block.contiguous().view(torch.uint8)[..., None], body], dim=-1).reshape(-1).contiguous()
     return block_rows(per_block, values, m.bits)
 
 
@@ -110,11 +129,11 @@ class QuantizedBlocksFormat:
         return slot[offset:offset + n]
 
     def prepare(self, stored: torch.Tensor, slot: torch.Tensor) -> None:
-        """The expert's blocks into `slot` where its scales are float16 numbers, else its blob."""
+        """The expert's blocks into `slot` where they hold its scales, else its blob."""
         q, blob = self.quant, self.dequantizing
         matrices = (("w_in", q.w_in), ("w_out", q.w_out))
-        scales = {name: float16_scales(blob.section(stored, f"{name}.scales").view(SCALE_DTYPES[m.scale_dtype])
-                                       .view(m.scale_shape)) for name, m in matrices}
+        scales = {name: block_scales(blob.section(stored, f"{name}.scales").view(SCALE_DTYPES[m.scale_dtype])
+                                     .view(m.scale_shape), m) for name, m in matrices}
         if any(s is None for s in scales.values()):
             slot[:self.numel].copy_(stored)
             self.section(slot, "holds").fill_(HOLDS_BLOB)
