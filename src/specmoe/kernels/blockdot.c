@@ -809,6 +809,44 @@ static void run(const Job *j) {
 
 /* --- the entry points ------------------------------------------------------------------------- */
 
+/* Bytes 0..3 of x to bytes 0, 2, 4, 6. */
+static inline uint64_t spread_bytes(uint64_t x) {
+    x &= 0xFFFFFFFFull;
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFFull;
+    return (x | (x << 8)) & 0x00FF00FF00FF00FFull;
+}
+
+/* A quantized checkpoint's matrix as blocks of 32 (Q8_0, Q4_0, MXFP4): block b is its `head`
+ * (1 or 2) scale bytes (heads + head * b), then its codes: 8-bit ones as they are (codes +
+ * 32 * b); 4-bit ones, two a byte with the even column in the low nibble (codes + 16 * b),
+ * in Q4_0's order, byte j holding value j low and value j + 16 high: byte 2m takes the low
+ * nibbles of bytes m and 8 + m, byte 2m + 1 their high ones, eight at a time in a word.
+ * Copies bits only. */
+void smk_pack_blocks(const uint8_t *codes, const uint8_t *heads, int head, int bits, int64_t blocks,
+                     uint8_t *out) {
+    const uint64_t low = 0x0F0F0F0F0F0F0F0Full;
+    int body = bits == 8 ? 32 : 16;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *c = codes + body * b;
+        uint8_t *o = out + (head + body) * b;
+        o[0] = heads[head * b];
+        if (head == 2) o[1] = heads[2 * b + 1];
+        o += head;
+        if (bits == 8) {
+            memcpy(o, c, 32);
+            continue;
+        }
+        uint64_t first, second;
+        memcpy(&first, c, 8);
+        memcpy(&second, c + 8, 8);
+        uint64_t even = (first & low) | ((second & low) << 4), odd = ((first >> 4) & low) | (second & ~low);
+        uint64_t lo = spread_bytes(even) | (spread_bytes(odd) << 8);
+        uint64_t hi = spread_bytes(even >> 32) | (spread_bytes(odd >> 32) << 8);
+        memcpy(o, &lo, 8);
+        memcpy(o + 8, &hi, 8);
+    }
+}
+
 /* x [M, K] float32 (rows ldx apart) -> M rows of smk_act_bytes(K) at xq, in blocks of `width` (32 or 256). */
 void smk_quantize(const float *x, int64_t M, int64_t K, int64_t ldx, uint8_t *xq, int width) {
     int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK, act = smk_act_bytes(K);

@@ -13,6 +13,9 @@ is never loaded into the engine, and the matrices take the dequantizing path wit
 (`available()` says why). `SPECMOE_BLOCKDOT=off` turns it off; `=portable` keeps the
 portable C path only.
 
+It also packs a quantized checkpoint's int8 / int4 / fp4 codes into Q8_0 / Q4_0 / MXFP4
+blocks as an expert enters its pool slot (`pack_blocks`: bytes moved, no arithmetic).
+
 Batch invariance (blockdot.c's header): an output element depends only on its own
 activation row and weight row, so a row's product is the same bits alone or among 1088.
 
@@ -96,6 +99,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.smk_act_bytes.argtypes, lib.smk_act_bytes.restype = [i64], i64
+    lib.smk_pack_blocks.argtypes, lib.smk_pack_blocks.restype = [ptr, ptr, ctypes.c_int, ctypes.c_int, i64, ptr], None
     lib.smk_quantize.argtypes, lib.smk_quantize.restype = [ptr, i64, i64, i64, ptr, ctypes.c_int], None
     lib.smk_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.smk_matmul.restype = ctypes.c_int
@@ -211,6 +215,18 @@ def set_threads(n: int) -> None:
 
 
 # --- the calls ----------------------------------------------------------------------------------
+
+
+def pack_blocks(codes: torch.Tensor, heads: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Blocks of 32 into `out` (uint8, contiguous): each block's scale bytes from `heads`
+    (uint8 [blocks, head]), then its codes from `codes` (contiguous uint8: 8-bit codes as
+    they are; 4-bit ones two a byte, the even column low, put in Q4_0's nibble order)."""
+    blocks, head = heads.shape
+    body = 32 if bits == 8 else 16
+    if not (codes.is_contiguous() and heads.is_contiguous() and out.is_contiguous()) or head not in (1, 2) \
+            or codes.numel() != blocks * body or out.numel() != blocks * (head + body):
+        raise SpecMoEError(f"internal: {blocks} blocks of {bits}-bit codes do not fit their buffers")
+    library().lib.smk_pack_blocks(codes.data_ptr(), heads.data_ptr(), head, bits, blocks, out.data_ptr())
 
 
 def act_bytes(cols: int) -> int:
