@@ -86,6 +86,9 @@ def test_the_prior_takes_the_rate_this_models_measured_drafts_show():
     assert prior_acceptance(0.25, rate) == pytest.approx(1 - 2 * COST_RATE * 0.5)
     assert fitted_rate([(0.04, 0.95), (0.04, 0.90), (0.04, 0.10)]) == pytest.approx(0.5)  # the median: one odd run
     assert fitted_rate([]) == COST_RATE and fitted_rate([(0.0, 0.99)]) == COST_RATE  # nothing to fit on
+    # a draft never rejected bounds the rate by nothing: it does not make every draft perfect
+    assert fitted_rate([(0.5, 1.0)]) == COST_RATE
+    assert fitted_rate([(0.5, 1.0), (0.25, 0.9)]) == pytest.approx(0.2)
 
 
 # --- on a model -----------------------------------------------------------------------------
