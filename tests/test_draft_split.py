@@ -31,7 +31,9 @@ from specmoe.autotune.draft_split import (
     kept_by_lru,
     predict,
     prior_acceptance,
+    rates_by_ways,
     split_candidates,
+    ways_of,
     ways_to_try,
     with_measured_speeds,
 )
@@ -89,6 +91,17 @@ def test_the_prior_takes_the_rate_this_models_measured_drafts_show():
     # a draft never rejected bounds the rate by nothing: it does not make every draft perfect
     assert fitted_rate([(0.5, 1.0)]) == COST_RATE
     assert fitted_rate([(0.5, 1.0), (0.25, 0.9)]) == pytest.approx(0.2)
+
+
+def test_each_way_of_holding_the_draft_takes_the_rate_its_own_drafts_measured():
+    # int4 drafts rejected at 0.04 / sqrt(cost), the paper's at 0.4: neither sets the other's prior
+    rates = rates_by_ways([("int4", 0.04, 1 - 0.04 * 0.2), ("none", 0.25, 1 - 0.4 * 0.5)])
+    assert rates("int4") == pytest.approx(0.04) and rates("none") == pytest.approx(0.4)
+    # a way never measured: the measured drafts' rate, never kinder than the demo model's
+    assert rates("auto") == pytest.approx(max(COST_RATE, 0.22))
+    assert rates_by_ways([("int4", 0.04, 1 - 0.04 * 0.2)])("none") == COST_RATE
+    assert rates_by_ways([("auto", 0.04, 1 - 0.6 * 0.2)])("none") == pytest.approx(0.6)
+    assert ways_of("memory@40.0%:auto") == "auto"
 
 
 # --- on a model -----------------------------------------------------------------------------
