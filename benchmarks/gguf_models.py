@@ -2,7 +2,8 @@
 model's held-out perplexity, and ondemand, caching and specmoe on the real disk tier at
 B = 1 and 16 (decode tokens/s, expert bytes moved per token, tokens/s as a multiple of
 ondemand on the bf16 model at the same B). The GGUF experts stay in the file's encoding in
-the tier, in every transfer and in the pool, and are dequantized where they are computed.
+the tier, in every transfer and in the pool, and are multiplied as stored (--dtype auto,
+the default, on a CPU with the block kernels).
 
     nice -n 10 python benchmarks/gguf_models.py --json gguf.json
     python benchmarks/gguf_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 --json g.json

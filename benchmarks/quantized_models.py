@@ -8,9 +8,10 @@ token, and tokens/s as a multiple of ondemand on the bf16 model at the same B.
 
 Every model runs with the same device memory: non-expert bytes + the KV cache reserved for
 the run + 30 % of the bf16 model's expert bytes, so a quantized model's pool holds as many
-more experts as its experts are smaller. Runs compute in bfloat16 (--dtype), so that the
-bf16 model's experts move as bf16 (in float32 they would move twice the bytes); the
-quantized models' experts move as their blobs whatever the dtype. Perplexity is computed
+more experts as its experts are smaller. Runs compute as the default does (--dtype auto):
+on a CPU with the block kernels, the bf16 model's experts in bfloat16 as stored and the
+quantized ones as Q8_0 / Q4_0 blocks in their slots; every expert moves as stored (the
+bf16 one as bf16, the quantized ones as their blobs). Perplexity is computed
 in float32 with every expert resident. Runs of one batch size are interleaved round by
 round after a warm-up (bench/grid.py); a record is the median timed round.
 """
@@ -105,7 +106,7 @@ def speed_arguments(p: argparse.ArgumentParser, policies) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--expert-fraction", type=float, default=0.3, help="share of the bf16 expert bytes in the budget")
     p.add_argument("--ppl-prompts", type=int, default=0, help="held-out paragraphs for perplexity (default: all)")
 

@@ -214,9 +214,9 @@ SECTIONS = (
     Section("quantized", "Quantized experts: the demo model in bf16, w8a16 and w4a16",
             "`specmoe quantize` writes the demo model's experts as compressed-tensors int8 and int4 (groups of 128, "
             "round to nearest); its peak resident memory is measured over the rewrite. Perplexity: every held-out "
-            "paragraph, float32, experts resident. Speeds: the experts stay quantized on the disk tier, in every "
-            "transfer and in the pool, and were dequantized where computed (int4: torch's fused kernel; since, the "
-            "default multiplies them as Q4_0 / Q8_0 blocks: the quantized-as-stored section measures that).",
+            "paragraph, float32, experts resident. Speeds (the default encoding, gamma 5): the experts move as "
+            "stored, and each enters its pool slot as Q8_0 / Q4_0 blocks the block kernels multiply; bf16 in "
+            "bfloat16.",
             (Run("quantized.json", "python benchmarks/quantized_models.py --json {out}/quantized.json",
                  "python benchmarks/quantized_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/quantized.json"),),
@@ -226,9 +226,9 @@ SECTIONS = (
     Section("gguf", "GGUF files: the demo model as Q8_0 and Q4_K against its bf16 safetensors",
             "specmoe.tools.gguf_convert writes the demo model as GGUF, laid out as llama.cpp's converter lays it "
             "out (the Q4_K file keeps the experts' 128-wide down projections in Q5_0, as llama.cpp falls back). "
-            "Perplexity: every held-out paragraph, float32, experts resident. Speeds: the experts stay in the "
-            "file's encoding on the disk tier, in every transfer and in the pool, and are dequantized where they "
-            "are computed.",
+            "Perplexity: every held-out paragraph, float32, experts resident. Speeds (the default encoding, gamma "
+            "5): the experts stay in the file's encoding on the disk tier, in every transfer and in the pool, and "
+            "are multiplied as stored.",
             (Run("gguf.json", "python benchmarks/gguf_models.py --json {out}/gguf.json",
                  "python benchmarks/gguf_models.py --batch-sizes 1 --max-tokens 4 --repeats 1 --ppl-prompts 8 "
                  "--json {out}/gguf.json"),),
