@@ -6,8 +6,9 @@ so each verify pass fetches more; its copies' format sets what a draft pass cost
 candidate is a draft memory D, a share of the room the budget leaves for experts, with
 the ways its experts may be held: the allocator's mix (`--draft-quant auto`), one copy
 format, or the paper's draft of full experts only (`none`, D a whole count of them per
-block). Full experts are pinned in the pool, where verification uses them too. Each is planned as the engine would start it (`Start`: the allocation before
-routing is seen, with its expected cost) and predicted in decode tokens/s:
+block). Full experts are pinned in the pool, where verification uses them too. Each is
+planned as the engine would start it (`Start`: the allocation before routing is seen,
+with its expected cost) and predicted in decode tokens/s:
 
 - tokens per step from the per-token acceptance an earlier run of this model measured
   with that draft memory and ways (history.py), else from the allocation's expected cost
@@ -168,9 +169,11 @@ def split_candidates(room: int, slot_bytes: int, ways: str = "auto", blocks: int
 
 
 def ways_to_try(fused_modes: tuple[str, ...]) -> tuple[str, ...]:
-    """The allocator's mix of every way, and each copy format this machine multiplies
-    with a fused kernel (the portable layout dequantizes a matrix per call: at real sizes
-    the allocator's accuracy-only choice can be many times slower)."""
+    """The allocator's mix of every way, each copy format this machine multiplies with a
+    fused kernel (the portable layout dequantizes a matrix per call: at real sizes the
+    allocator's accuracy-only choice can be many times slower), and the paper's draft:
+    the allocator weighs the draft's accuracy alone, and would hold copies as big as the
+    experts (int4 of Q4_K) where pinning the experts also spares verification its reads."""
     return ("auto", *fused_modes, "none")
 
 
