@@ -346,6 +346,7 @@ def test_mxfp4_experts_are_mxfp4_blocks_holding_the_checkpoints_values_bit_for_b
     fmt = expert_format(ckpt.config, torch.float32, "cpu", as_stored=True)
     assert isinstance(fmt, QuantizedBlocksFormat) and set(fmt.types.values()) == {"MXFP4"}
     assert fmt.nbytes == q.nbytes and not fmt.one_call  # biases, GPT-OSS's clamped activation
+    assert "MXFP4 blocks in their slots (an expert with an exponent that is not a number" in fmt.kernels["mxfp4 experts"]
     slot, plain = torch.empty(fmt.slot_numel, dtype=fmt.slot_dtype), fmt.dequantizing
     for e in (0, ckpt.config.num_experts - 1):
         stored = fmt.read(ckpt, layer, e)

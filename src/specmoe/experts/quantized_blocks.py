@@ -94,7 +94,7 @@ def matrix_blocks(codes: torch.Tensor, scales: torch.Tensor, m: MatrixQuant, out
 
 class QuantizedBlocksFormat:
     """`dequantizing`: the formats.QuantizedFormat of the same experts: it reads their blobs,
-    and computes an expert whose scales float16 does not hold (its slot keeps the blob)."""
+    and computes an expert whose scales its blocks cannot hold (its slot keeps the blob)."""
 
     storage_dtype = slot_dtype = torch.uint8
     converts = True
@@ -108,9 +108,11 @@ class QuantizedBlocksFormat:
         self.slot_numel = -(-(offset + n) // ALIGN) * ALIGN
         self.one_call = spec.gated and spec.activation == "silu" and not quant.bias  # blockdot.swiglu
         encoding = "/".join(dict.fromkeys(self.types.values()))
+        kept = "with an exponent that is not a number" if quant.w_in.codes == "fp4" else \
+            "whose scales float16 does not hold"
         self.kernels = {f"{quant.scheme} experts": f"as stored, re-encoded exactly as {encoding} blocks in their slots "
-                                                   "(an expert whose scales float16 does not hold: dequantized per "
-                                                   f"call): {blockdot.library().describe()}"}
+                                                   f"(an expert {kept}: dequantized per call): "
+                                                   f"{blockdot.library().describe()}"}
 
     @property
     def nbytes(self) -> int:
