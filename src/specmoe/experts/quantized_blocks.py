@@ -1,7 +1,8 @@
 """A quantized safetensors checkpoint's int8 / int4 experts (compressed-tensors w8a16 /
 w4a16, as llm-compressor and `specmoe quantize` write them) and fp4 ones (GPT-OSS's
-MXFP4) multiplied as ggml blocks by the block kernels, where the engine computes as stored (the CPU's default:
-kernels/blockdot.py, activations rounded to 8 bits per block of 32 as for a GGUF file).
+MXFP4) multiplied as ggml blocks by the block kernels, where the engine computes as
+stored (the CPU's default: kernels/blockdot.py, activations rounded to 8 bits per block
+of 32 as for a GGUF file).
 
 The re-encoding is exact, or not done:
 - an int8 matrix is Q8_0 rows: each block of 32 columns the same 32 codes, its scale its
@@ -13,7 +14,7 @@ The re-encoding is exact, or not done:
   Q4_0's nibble order (ggml's e2m1 table is doubled and its exponent halved: the same
   values); an exponent of 255 (not a number, by the OCP MX format) keeps the blob;
 - only where every group holds whole blocks (`in` and the group size multiples of 32),
-  and every scale of the expert is a float16 number: checked as the expert enters its
+  and every int scale of the expert is a float16 number: checked as the expert enters its
   slot. A bfloat16 scale below 2^-17 or above 65504 is rounded by float16 (float32 scales
   almost always are: they are refused without looking, `refusal`); an expert with such a
   scale keeps its blob in the slot and is dequantized per call, as before.
