@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from specmoe import LLM, SamplingParams
-from specmoe.bench.machine import machine_info
+from specmoe.bench import paired
 from specmoe.experts import formats
 from specmoe.kernels.cpu import usable_cores
 from specmoe.tools.quantize import quantize_checkpoint
@@ -72,12 +71,9 @@ def measure(path: Path, batch: int, threads: int, rounds: int, max_tokens: int) 
     finally:
         for llm in engines.values():
             llm.close()
-    ratios = [a / b for a, b in zip(runs["blocks"], runs["before"])]
-    same = sum(x == y for a, b in zip(tokens["blocks"], tokens["before"]) for x, y in zip(a, b))
-    total = sum(len(a) for a in tokens["blocks"])
     return {"batch_size": batch, "threads": threads, "blocks_tok_s": runs["blocks"], "before_tok_s": runs["before"],
-            "ratio_median": statistics.median(ratios), "ratio_low": min(ratios), "ratio_high": max(ratios),
-            "tokens_equal": same / total, "kernels": kernels, "rounds": rounds}
+            **paired.compare(runs["blocks"], runs["before"], tokens["blocks"], tokens["before"]),
+            "kernels": kernels, "rounds": rounds}
 
 
 def main(argv=None) -> int:
@@ -99,15 +95,8 @@ def main(argv=None) -> int:
             rec = {"scheme": scheme, "group": SCHEMES[scheme], "checkpoint_bytes": sum(
                 f.stat().st_size for f in path.iterdir()), **measure(path, batch, args.threads, args.rounds,
                                                                       args.max_tokens)}
-            rec["seconds"] = round(time.time() - started, 1)
-            records.append(rec)
-            print(f"{scheme} B={batch}: blocks {statistics.median(rec['blocks_tok_s']):.1f} tok/s, before "
-                  f"{statistics.median(rec['before_tok_s']):.1f}: {rec['ratio_median']:.2f}x "
-                  f"({rec['ratio_low']:.2f}-{rec['ratio_high']:.2f}), tokens equal {rec['tokens_equal']:.0%}",
-                  flush=True)
-            if args.json:
-                doc = {"command": " ".join(sys.argv), "machine": machine_info("cpu"), "records": records}
-                args.json.write_text(json.dumps(doc, indent=1))
+            line = f"{scheme} B={batch}: " + paired.summary(rec, "blocks_tok_s", "before_tok_s", "blocks", "before")
+            paired.keep(records, rec, started, args.json, line)
     return 0
 
 

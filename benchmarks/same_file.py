@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -102,6 +101,7 @@ def measure(path: Path, theirs_path: Path, batch: int, threads: int, rounds: int
 
     import torch
 
+    from specmoe.bench import paired
     from specmoe.bench.anchors import LlamaCppRunner
     from specmoe.bench.runners import PolicyRunner
     from specmoe.engine.sampling import SamplingParams
@@ -125,16 +125,12 @@ def measure(path: Path, theirs_path: Path, batch: int, threads: int, rounds: int
         ours.close()
         theirs.close()
         gc.collect()
-    ratios = [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in zip(runs["specmoe"], runs["llama.cpp"])]
-    same = sum(x == y for a, b in zip(runs["specmoe"][-1]["token_ids"], runs["llama.cpp"][-1]["token_ids"])
-               for x, y in zip(a, b))
-    total = sum(len(a) for a in runs["specmoe"][-1]["token_ids"])
+    speeds = {name: [r["decode_tokens_per_s"] for r in rs] for name, rs in runs.items()}
     return {"file": path.name, "llama_cpp_file": theirs_path.name, "bytes": size_of(path), "batch_size": batch,
-            "threads": threads,
-            "specmoe_tok_s": [r["decode_tokens_per_s"] for r in runs["specmoe"]],
-            "llama_cpp_tok_s": [r["decode_tokens_per_s"] for r in runs["llama.cpp"]],
-            "ratio_median": statistics.median(ratios), "ratio_low": min(ratios), "ratio_high": max(ratios),
-            "tokens_equal": same / total if total else None, "rounds": rounds}
+            "threads": threads, "specmoe_tok_s": speeds["specmoe"], "llama_cpp_tok_s": speeds["llama.cpp"],
+            **paired.compare(speeds["specmoe"], speeds["llama.cpp"], runs["specmoe"][-1]["token_ids"],
+                             runs["llama.cpp"][-1]["token_ids"]),
+            "rounds": rounds}
 
 
 def main(argv=None) -> int:
@@ -150,7 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-file", type=Path, default=ROOT / "benchmarks" / "prompts" / "heldout.jsonl")
     p.add_argument("--json", type=Path, help="write the records here")
     args = p.parse_args(argv)
-    from specmoe.bench.machine import machine_info
+    from specmoe.bench import paired
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     records = []
@@ -163,15 +159,9 @@ def main(argv=None) -> int:
                                                     args.prompts_file)}
                 if type_name == CHECKPOINT:  # the memory bound: 1.1x the checkpoint + 400 MiB
                     rec["specmoe_peak_rss_bytes"] = peak_rss(path, batch, threads, args.max_tokens, args.prompts_file)
-                rec["seconds"] = round(time.time() - started, 1)
-                records.append(rec)
-                print(f"{type_name} B={batch} threads={threads}: specmoe {statistics.median(rec['specmoe_tok_s']):.1f} "
-                      f"tok/s, llama.cpp {statistics.median(rec['llama_cpp_tok_s']):.1f}: {rec['ratio_median']:.2f}x "
-                      f"({rec['ratio_low']:.2f}-{rec['ratio_high']:.2f}), tokens equal {rec['tokens_equal']:.0%}",
-                      flush=True)
-                if args.json:
-                    doc = {"command": " ".join(sys.argv), "machine": machine_info("cpu"), "records": records}
-                    args.json.write_text(json.dumps(doc, indent=1))
+                line = f"{type_name} B={batch} threads={threads}: " + paired.summary(
+                    rec, "specmoe_tok_s", "llama_cpp_tok_s", "specmoe", "llama.cpp")
+                paired.keep(records, rec, started, args.json, line)
     return 0
 
 

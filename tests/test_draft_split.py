@@ -539,7 +539,7 @@ def test_the_planner_times_a_full_expert_as_the_pool_computes_it(tmp_path):
     ckpt, spec = runtime.checkpoint, runtime.config.expert
     layer = runtime.config.draft_layer_ids[0]
     x = torch.randn(3, spec.hidden, generator=torch.Generator().manual_seed(0))
-    got = pool_expert(ckpt, layer, runtime.device, torch.float32, True)(x)
+    got = pool_expert(ckpt, layer, runtime.expert_format, runtime.device)(x)
     want = run_expert(ckpt.expert_buffer(layer, 0, torch.float32), x, spec)
     assert got.shape == want.shape
     assert torch.allclose(got, want, rtol=0.05, atol=0.05 * want.abs().max().item())

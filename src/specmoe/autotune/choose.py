@@ -160,8 +160,8 @@ def choose_draft_memory(runtime) -> tuple:
     sc = Scenario(shape, hardware, context_len=kwargs["context_len"], device_memory=kwargs["device_memory"])
     fused = _fused_modes(runtime)
     cache = Path(opts.offload_dir) if opts.offload_dir else offload_dir()
-    best, _ = choose_split(runtime.checkpoint, sc, runtime.budget.limit, room, runtime.slot_bytes, runtime.device,
-                           runtime.dtype, cache, opts.max_batch_size, opts.gamma,
+    best, _ = choose_split(runtime.checkpoint, runtime.expert_format, sc, runtime.budget.limit, room,
+                           runtime.slot_bytes, runtime.device, runtime.dtype, cache, opts.max_batch_size, opts.gamma,
                            history.measured(runtime.checkpoint.fingerprint()), fused, _split_speeds(runtime),
                            runtime.computes_as_stored, opts.adapt_gamma)
     return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)

@@ -47,7 +47,6 @@ from ..base.errors import SpecMoEError
 from ..base.units import format_bytes
 from ..costmodel.cost_model import Scenario, pass_work
 from ..costmodel.routing import tokens_per_step
-from ..experts.formats import checkpoint_expert_dtype, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, quantize_expert, quantized_expert_forward
 from ..policies.specmoe import WORKING_SLOTS
 from ..policies.specmoe.allocation import FULL, SUBSTITUTE
@@ -128,8 +127,14 @@ def fitted_rate(measured: list[tuple[float, float]]) -> float:
     A draft no run ever rejected is no fit: its rate of 0 promised every draft of the model
     every token (the demo model's Q4_K file at B = 16: a 10 % draft, predicted 6.0 tokens
     a step, accepted 13 %)."""
-    rates = [(1.0 - a) / math.sqrt(cost) for cost, a in measured if cost > 1e-9 and a < 1.0]
+    rates = _rates(measured)
     return statistics.median(rates) if rates else COST_RATE
+
+
+def _rates(measured: list[tuple[float, float]]) -> list[float]:
+    """(1 - acceptance) / sqrt(cost) of each draft that can be fitted on: one with a cost,
+    that some run rejected."""
+    return [(1.0 - a) / math.sqrt(cost) for cost, a in measured if cost > 1e-9 and a < 1.0]
 
 
 def rates_by_ways(measured: list[tuple[str, float, float]]):
@@ -141,8 +146,8 @@ def rates_by_ways(measured: list[tuple[str, float, float]]):
     overall = max(COST_RATE, fitted_rate([(cost, a) for _, cost, a in measured]))
 
     def rate(ways: str) -> float:
-        same = [(cost, a) for w, cost, a in measured if w == ways and cost > 1e-9 and a < 1.0]  # fitted_rate's
-        return fitted_rate(same) if same else overall
+        same = [(cost, a) for w, cost, a in measured if w == ways]
+        return fitted_rate(same) if _rates(same) else overall
 
     return rate
 
@@ -196,14 +201,15 @@ class ExpertTimes:
 
 
 @torch.no_grad()
-def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, verify_rows: tuple[int, ...],
-                 blocks: bool = False) -> ExpertTimes:
-    """One expert of the first drafting block, timed in full precision (on the draft's rows,
-    and on each of `verify_rows`) and as each quantized copy in the layout this device
-    multiplies it in (quant.device_layout)."""
+def time_experts(ckpt, pool_format, ways: tuple[str, ...], device, dtype, draft_rows: int,
+                 verify_rows: tuple[int, ...], blocks: bool = False) -> ExpertTimes:
+    """One expert of the first drafting block, timed in full precision as the pool holds it
+    (`pool_format`: the runtime's expert_format; on the draft's rows, and on each of
+    `verify_rows`) and as each quantized copy in the layout this device multiplies it in
+    (quant.device_layout)."""
     spec, layer = ckpt.config.expert, ckpt.config.draft_layer_ids[0]
     exact = ckpt.expert_buffer(layer, 0, torch.float32)
-    run_full = pool_expert(ckpt, layer, device, dtype, blocks)
+    run_full = pool_expert(ckpt, layer, pool_format, device)
     x_draft = torch.randn(max(1, draft_rows), spec.hidden, device=device, dtype=dtype)
     times = {FULL: timed(lambda: run_full(x_draft), MIN_TIME_S)}
     for mode in ways:
@@ -218,12 +224,11 @@ def time_experts(ckpt, ways: tuple[str, ...], device, dtype, draft_rows: int, ve
     return ExpertTimes(times, verify)
 
 
-def pool_expert(ckpt, layer: int, device, dtype, blocks: bool):
-    """Expert 0 of `layer` as a pool slot holds it and the run computes it (x -> output):
-    a GGUF file's blocks multiplied as stored, where `blocks`. Timed widened to float32
-    instead, a Q4_K expert was charged 3.2 ms at two rows on the real-size file, several
-    times what the block kernel takes, and every split was predicted bound by compute."""
-    fmt = expert_format(ckpt.config, dtype, device, checkpoint_expert_dtype(ckpt), as_stored=blocks)
+def pool_expert(ckpt, layer: int, fmt, device):
+    """Expert 0 of `layer` in a slot of format `fmt` (x -> output), as the pool computes it:
+    a GGUF file's blocks multiplied as stored. Timed widened to float32 instead, a Q4_K
+    expert was charged 3.2 ms at two rows on the real-size file, several times what the
+    block kernel takes, and every split was predicted bound by compute."""
     slot = torch.empty(fmt.slot_numel, dtype=fmt.slot_dtype, device=device)
     fmt.prepare(fmt.read(ckpt, layer, 0).to(device), slot)
     return lambda x: fmt.forward(slot, x)
@@ -289,16 +294,17 @@ def kept_by_lru(sc: Scenario, batch: int, positions: int, pinned: int, slots: in
     return slots // max(1, s.step_moe_layers) if slots >= fetched else 0
 
 
-def choose_split(ckpt, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype, cache,
-                 batch: int, gamma: int, measured: dict[str, float],
+def choose_split(ckpt, pool_format, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype,
+                 cache, batch: int, gamma: int, measured: dict[str, float],
                  fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None, blocks: bool = False,
                  adapt: bool = False) -> tuple[SplitPoint, list[SplitPoint]]:
-    """(the fastest split, every split predicted). `measured`: per-token acceptance earlier
-    runs measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py);
+    """(the fastest split, every split predicted). `pool_format`: how the pool holds an
+    expert (the runtime's expert_format); `measured`: per-token acceptance earlier runs
+    measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py);
     `adapt`: gamma is tuned step by step (predict's)."""
     c = ckpt.config
     longest = max(gamma, MAX_GAMMA) if adapt else gamma
-    times = time_experts(ckpt, draft_ways("auto", c.expert_quant), device, dtype,
+    times = time_experts(ckpt, pool_format, draft_ways("auto", c.expert_quant), device, dtype,
                          math.ceil(batch * c.top_k / sc.distinct(batch)),
                          (verify_rows(sc, batch, 1 if adapt else gamma), verify_rows(sc, batch, longest)), blocks)
     starts = []
