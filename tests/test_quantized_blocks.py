@@ -410,3 +410,45 @@ def test_every_policy_gives_residents_tokens_on_mxfp4_experts(gpt_oss_mxfp4, tmp
     pool = engine.engine.policy.pool
     assert all(pool.format.holds_blocks(pool.buffers[slot]) for slot in pool.table.slot_of.values())
     engine.close()
+
+
+# --- the same tokens at every batch shape -------------------------------------------------------
+
+SHORT = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sixty_four(quantized, gpt_oss_mxfp4):
+    """sixty_four(name) -> (checkpoint, 64 prompts, resident's token_ids_sha256 decoding them 64 at a time)."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = gpt_oss_mxfp4 if name == "mxfp4" else quantized(name)
+            prompts = random_prompts(64, VOCAB, 3, 66, seed=12)
+            engine = llm(path, max_batch_size=64, max_model_len=96)
+            engine.generate(prompts, SHORT)
+            assert type(engine.engine.policy.format) is QuantizedBlocksFormat
+            cache[name] = path, prompts, engine.last_stats["token_ids_sha256"]
+            engine.close()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("name", ["w4a16", "w8a16", "mxfp4"])
+@pytest.mark.parametrize("policy", ["ondemand", "specmoe"])
+def test_every_batch_size_gives_the_tokens_resident_gives_sixty_four_at_a_time(sixty_four, tmp_path, policy, name,
+                                                                                batch):
+    """Speculation's promise in the blocks' encoding: a sequence's tokens do not depend on
+    how many sequences (B) or verified rows (B x (gamma + 1)) share its calls."""
+    path, prompts, sha = sixty_four(name)
+    engine = llm(path, policy=policy, offload="disk", device_memory="60%", offload_dir=str(tmp_path),
+                 max_batch_size=batch, max_model_len=96)
+    engine.generate(prompts, SHORT)
+    stats = engine.last_stats
+    assert stats["token_ids_sha256"] == sha
+    if policy == "specmoe":
+        assert stats["draft_s"] > 0  # it drafted, so some verify passes computed more rows than B
+    engine.close()
