@@ -104,8 +104,13 @@ def test_ondemand_fetches_each_blocks_routed_experts_once_every_pass(setup, tmp_
     n = len(prompts[0])
     routed = routed_experts(path, prompts[0] + out.token_ids[:-1])
     assert len(routed) == 2 and len(routed[0]) == n + 3
-    want = sum(len(set().union(*block[:n])) + sum(len(experts) for experts in block[n:]) for block in routed)
-    assert llm.last_stats["experts_fetched"] == want
+    decode = sum(sum(len(experts) for experts in block[n:]) for block in routed)
+    want = sum(len(set().union(*block[:n])) for block in routed) + decode
+    stats = llm.last_stats
+    assert stats["experts_fetched"] == want
+    # the decode steps' own bytes per token, apart from the prefill's: 3 decode tokens
+    expert_bytes = llm.engine.policy.pool.expert_bytes
+    assert stats["decode_transfer_bytes_per_token"] * 3 == pytest.approx(decode * expert_bytes)
     llm.close()
 
 

@@ -301,9 +301,10 @@ class Engine:
         if admitted:
             for seq in admitted:
                 seq.slot = self.cache.allocate()
-            t0 = time.perf_counter()
+            t0, moved = time.perf_counter(), self.policy.moved_bytes()
             self._prefill(admitted)
             self.counters.prefill_s += time.perf_counter() - t0
+            self.counters.prefill_transfer_bytes += self.policy.moved_bytes() - moved
         else:
             # in slot order: slots are handed out lowest first, so a batch is usually a
             # contiguous run of slots and attention reads the KV cache in place

@@ -23,6 +23,7 @@ def token_ids_sha256(outputs: list[list[int]]) -> str:
 @dataclass
 class RunCounters:
     prefill_s: float = 0.0
+    prefill_transfer_bytes: int = 0  # expert bytes moved during prefills (a draft set's first load included)
     decode_s: float = 0.0
     steps: int = 0  # decode steps (a speculative step = draft + verify)
     seq_steps: int = 0  # sum over decode steps of the sequences in them
@@ -58,6 +59,9 @@ def rates(counters: RunCounters, *, requests: int, generated: int, wall_s: float
         "acceptance_per_token": per_token_acceptance(c.accepted, c.rejected) if c.drafted else None,
         "draft_target_agreement": c.agreed / c.drafted if c.drafted else None,
         "transfer_bytes_per_token": transfer / generated if generated else 0.0,
+        # decode steps' own: what bounds decoding speed on a tier read at a given rate
+        "decode_transfer_bytes_per_token": (transfer - c.prefill_transfer_bytes) / c.decode_tokens
+        if c.decode_tokens else 0.0,
         # evaluation runs score prompts (max_tokens=0): requests are their unit of work
         "requests_per_s": requests / wall_s if wall_s else 0.0,
         "transfer_bytes_per_request": transfer / requests if requests else 0.0,

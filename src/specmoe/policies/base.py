@@ -139,6 +139,10 @@ class Policy:
     def reset_stats(self) -> None:
         pass
 
+    def moved_bytes(self) -> int:
+        """Expert bytes moved into the device so far (the run statistics' transfer_bytes)."""
+        return 0
+
     def stats(self) -> dict:
         """Policy counters merged into the run statistics."""
         return {"transfer_bytes": 0, "cache_hit_rate": 1.0, "fused_kernels": self.fused_kernels()}

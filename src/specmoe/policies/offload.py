@@ -49,6 +49,9 @@ class OffloadPolicy(Policy):
         self.transfer.reset_counters()
         self.blocks.reset()
 
+    def moved_bytes(self) -> int:
+        return self.transfer.transfer_bytes
+
     def stats(self) -> dict:
         counters = self.blocks.counters
         reads = self.store.meter.totals()
