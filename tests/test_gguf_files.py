@@ -227,3 +227,22 @@ def test_bench_runs_on_a_gguf_file(mixtral, tmp_path):
     assert "B=2: outputs compared with ondemand (resident did not run)" in doc["notes"]
     # without resident the grid's reference is ondemand; the key keeps its name
     assert [r["outputs_match_resident"] for r in records] == [True, True]
+
+
+def test_the_disk_sections_ceiling_is_the_fastest_read_rate_over_specmoes_decode_bytes():
+    """BENCHMARKS.md's gguf-disk ceiling: the run's fastest disk rate over SpecMoE's decode bytes
+    per token, beside the speeds its goals ask; left out for a document without decode bytes."""
+    from specmoe.bench.gguf_tables import _read_ceiling
+
+    records = [{"policy": "ondemand", "batch_size": 16, "decode_tokens_per_s": 27.5, "disk_read_rate": 1.5e9},
+               {"policy": "specmoe", "batch_size": 16, "decode_tokens_per_s": 48.0, "disk_read_rate": 1.2e9,
+                "decode_transfer_bytes_per_token": 20e6},
+               {"policy": "resident", "batch_size": 16, "decode_tokens_per_s": 150.0}]
+    anchors = [{"anchor": "llama.cpp", "batch_size": 16, "decode_tokens_per_s": 73.2}]
+    text = _read_ceiling({"records": records, "anchors": anchors}, 50)
+    assert ("- B = 16: SpecMoE's decode steps read 20.0 MB per token; at the fastest rate the disk gave in this run "
+            "(ondemand, 1.50 GB/s) that is at most 75.0 tok/s, against 48.0 measured; 3x ondemand is 82.5 and "
+            "llama.cpp ran at 73.2 tok/s") in text
+    assert "3x" not in _read_ceiling({"records": records, "anchors": anchors}, 30)  # 30 %: a 1x goal
+    del records[1]["decode_transfer_bytes_per_token"]
+    assert _read_ceiling({"records": records, "anchors": anchors}, 50) == ""

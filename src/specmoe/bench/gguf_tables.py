@@ -120,7 +120,8 @@ GGUF_DISK = Section("gguf-disk", "SpecMoE on the Q4_K_M file, offloaded to disk,
     "percentage says (1.24x and 1.88x ondemand then; git history has them).",
     (_disk_run(30), _disk_run(50)),
     lambda docs: "\n".join(report.markdown(docs[name], name, heading=False) + _plans(docs[name])
-                           for name in ("gguf-disk-30.json", "gguf-disk-50.json") if name in docs))
+                           + _read_ceiling(docs[name], share)
+                           for share, name in ((30, "gguf-disk-30.json"), (50, "gguf-disk-50.json")) if name in docs))
 
 
 def _plans(doc: dict) -> str:
@@ -128,6 +129,39 @@ def _plans(doc: dict) -> str:
     last = {r["batch_size"]: r for r in doc["records"] if r.get("policy") == "specmoe"}
     lines = [f"- B = {b}: {r.get('auto_plan') or 'no plan'}" for b, r in sorted(last.items())]
     return "\n\nSpecMoE's plan (the draft split it chose when the engine started):\n\n" + "\n".join(lines) + "\n"
+
+
+def _read_ceiling(doc: dict, share: int) -> str:
+    """The most SpecMoE could decode at each batch size with its measured reads: the fastest
+    rate the disk gave any policy in the run over the bytes SpecMoE's decode steps read per
+    token, every cycle of compute hidden under them; beside the speeds its goals ask."""
+    records = [r for r in doc["records"] if not r.get("skipped")]
+    lines = []
+    for batch in sorted({r["batch_size"] for r in records}):
+        at = {r["policy"]: r for r in records if r["batch_size"] == batch}
+        ours, rates = at.get("specmoe"), [r["disk_read_rate"] for r in at.values() if r.get("disk_read_rate")]
+        if not ours or not ours.get("decode_transfer_bytes_per_token") or not rates:
+            continue
+        fastest = max(rates)
+        who = next(p for p, r in at.items() if r.get("disk_read_rate") == fastest)
+        ceiling = fastest / ours["decode_transfer_bytes_per_token"]
+        asks = []
+        if (share, batch) in GGUF_DISK_GOALS and "ondemand" in at:
+            goal = GGUF_DISK_GOALS[share, batch]
+            asks.append(f"{goal:g}x ondemand is {goal * at['ondemand']['decode_tokens_per_s']:.1f}")
+        anchor = next((a for a in doc.get("anchors", []) if a.get("anchor") == "llama.cpp"
+                       and a.get("batch_size") == batch and not a.get("skipped")), None)
+        if anchor and GGUF_DISK_ANCHOR_GOAL[:2] == (share, batch):
+            asks.append(f"llama.cpp ran at {anchor['decode_tokens_per_s']:.1f}")
+        lines.append(f"- B = {batch}: SpecMoE's decode steps read {ours['decode_transfer_bytes_per_token'] / 1e6:.1f} MB "
+                     f"per token; at the fastest rate the disk gave in this run ({who}, {fastest / 1e9:.2f} GB/s) "
+                     f"that is at most {ceiling:.1f} tok/s, against {ours['decode_tokens_per_s']:.1f} measured"
+                     + (f"; {' and '.join(asks)} tok/s" if asks else ""))
+    if not lines:
+        return ""
+    return ("\nThe reads' ceiling (decode bytes per token over the disk's rate: what decoding could reach with "
+            "every cycle of compute hidden under the reads, at the bytes this draft leaves to read):\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def _profile_run(name: str, dtype: str) -> Run:
