@@ -192,7 +192,7 @@ def _point(key, predicted_tps):
 def test_a_split_measured_here_ranks_by_its_measurement_the_rest_by_the_scaled_prediction():
     points = [_point("memory@20.0%:auto", 30.0), _point("memory@27.0%:auto", 33.0), _point("memory@24.0%:auto", 32.0)]
     # 27 % was predicted fastest and ran at 24 tok/s; 20 % ran at 27
-    seen = {"memory@27.0%:auto": 24.0, "memory@20.0%:auto": 27.0}
+    seen = {"memory@27.0%:auto": [24.0], "memory@20.0%:auto": [27.0]}
     corrected = {p.key: p for p in with_measured_speeds(points, seen)}
     assert corrected["memory@27.0%:auto"].tokens_per_s == 24.0 and corrected["memory@20.0%:auto"].tokens_per_s == 27.0
     scale = (24.0 / 33.0 + 27.0 / 30.0) / 2  # the median of two
@@ -201,6 +201,22 @@ def test_a_split_measured_here_ranks_by_its_measurement_the_rest_by_the_scaled_p
     assert "27.0 tok/s measured here (30.0 predicted)" in corrected["memory@20.0%:auto"].describe(4 << 30)
     assert "scaled by 0.81" in corrected["memory@24.0%:auto"].describe(4 << 30)
     assert with_measured_speeds(points, {}) == points  # nothing measured: the model alone
+
+
+def test_runs_spread_over_hours_leave_the_model_to_rank_within_their_spread():
+    """The real-size Q4_K_M file, disk tier, 50 %, B = 16: 7 pinned experts a block (predicted
+    68 tok/s) had run at 32.5-40.6, 4 (predicted 39) at 31.7-42.1; by the runs' medians the
+    planner took 4, which ran 28 tok/s where 7 ran 43 in the section's next run."""
+    seven, four = _point("memory@43.8%:none", 68.2), _point("memory@25.0%:none", 39.2)
+    seen = {seven.key: [32.5, 40.6, 38.7, 38.9, 35.8, 33.8, 36.4, 32.5], four.key: [31.7, 38.6, 42.1, 37.6]}
+    ranked = {p.key: p for p in with_measured_speeds([seven, four], seen)}
+    assert max(ranked.values(), key=lambda p: p.tokens_per_s).key == seven.key
+    assert ranked[seven.key].tokens_per_s == 40.6 and ranked[four.key].tokens_per_s == 31.7  # each held in its range
+    assert "held within the 32.5-40.6 its 8 runs measured here" in ranked[seven.key].describe(1 << 30)
+    # runs that do not overlap still decide against the model: one split's slowest beats the other's fastest
+    seen[four.key] = [45.0, 47.0]
+    ranked = {p.key: p for p in with_measured_speeds([seven, four], seen)}
+    assert max(ranked.values(), key=lambda p: p.tokens_per_s).key == four.key
 
 
 def test_the_planner_takes_the_split_that_ran_fastest_here_at_this_batch_size(reference, tmp_path, monkeypatch):
@@ -451,8 +467,8 @@ def test_a_split_is_corrected_only_by_runs_whose_gamma_was_chosen_as_this_runs_w
         options = replace(EngineConfig(offload="disk", max_batch_size=16), **opts)
         return _split_speeds(SimpleNamespace(options=options, checkpoint=SimpleNamespace(fingerprint=lambda: "m")))
 
-    assert seen(adapt_gamma=True) == {split: 30.0}
-    assert seen(adapt_gamma=False, gamma=16) == {split: 5.0}
+    assert seen(adapt_gamma=True) == {split: [30.0]}
+    assert seen(adapt_gamma=False, gamma=16) == {split: [5.0]}
     assert seen(adapt_gamma=False, gamma=5) == {}
 
 

@@ -167,10 +167,10 @@ def choose_draft_memory(runtime) -> tuple:
     return replace(opts, draft_memory=best.draft_memory, draft_quant=best.draft_quant), best.describe(room)
 
 
-def _split_speeds(runtime) -> dict[str, float]:
+def _split_speeds(runtime) -> dict[str, list[float]]:
     """Decode tokens/s that runs of each split (draft memory and ways) measured on this tier
     at this batch size and gamma (fixed, or tuned step by step as this run's will be): key
-    (draft_split.history_key) -> median tokens/s."""
+    (draft_split.history_key) -> the recent runs' tokens/s."""
     opts, fingerprint = runtime.options, runtime.checkpoint.fingerprint()
     tier = speeds.tier_of(opts)
     gamma_here = speeds.ADAPTED if opts.adapt_gamma else opts.gamma
@@ -178,7 +178,7 @@ def _split_speeds(runtime) -> dict[str, float]:
     for draft, gamma in speeds.draft_variants(fingerprint, tier):
         if not draft.startswith("memory@") or gamma != gamma_here:
             continue
-        seen = speeds.measured(fingerprint, tier, speeds.policy_key("specmoe", draft, gamma), opts.max_batch_size)
+        seen = speeds.measured_runs(fingerprint, tier, speeds.policy_key("specmoe", draft, gamma), opts.max_batch_size)
         if seen is not None and seen[0] == opts.max_batch_size:  # another batch size's step is another step
             out[draft] = seen[1]
     return out

@@ -28,10 +28,12 @@ with its expected cost) and predicted in decode tokens/s:
 
 Its best candidates are often predicted within a few percent of each other, closer than
 the model's error (real-size model, B = 16: 32.1 to 33.4 tok/s predicted for 70 to 90 %
-of the room, where 70 % ran 10 % faster than 90 %). So a split that earlier runs timed here
-at this batch size is ranked by the tokens/s they measured (speeds.py, runs of four steps
-or more), and the others by their prediction scaled by the median measured / predicted of
-those (`with_measured_speeds`); nothing measured: the model alone.
+of the room, where 70 % ran 10 % faster than 90 %). So every split is ranked by its
+prediction scaled by the median measured / predicted of the splits earlier runs timed here
+at this batch size (speeds.py, runs of four steps or more), and a timed split's is held
+within the range its runs measured (`with_measured_speeds`): one run decides by its
+measurement, runs spread over hours of a shared machine leave the model to rank within
+their spread; nothing measured: the model alone.
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ class SplitPoint:
     batch: int
     gamma: int  # drafted tokens per step: the run's fixed gamma, or the one the tuner is predicted to settle at
     key: str = ""  # the draft as history.py and speeds.py keep it (history_key)
-    seen_tokens_per_s: float | None = None  # what runs of this split measured here at this batch size
-    scale: float = 1.0  # else: measured / predicted of the splits that were measured (median)
+    seen_tokens_per_s: float | None = None  # its runs here at this batch size: the scaled prediction held in their range
+    scale: float = 1.0  # measured / predicted of the splits that were measured (median)
+    seen_runs: tuple[float, ...] = ()  # the tokens/s of those runs
     rate: float = COST_RATE  # the prior's rejection rate per sqrt(cost) (fitted_rate)
 
     @property
@@ -102,8 +105,12 @@ class SplitPoint:
     def describe(self, room: int) -> str:
         source = ("measured" if self.measured else "prior" if self.rate == COST_RATE
                   else f"prior at this model's measured rate {self.rate:.2f}")
-        if self.seen_tokens_per_s is not None:
+        if len(self.seen_runs) == 1:
             speed = f"{self.tokens_per_s:.1f} tok/s measured here ({self.predicted_tokens_per_s:.1f} predicted)"
+        elif self.seen_runs:
+            speed = (f"{self.tokens_per_s:.1f} tok/s: {self.predicted_tokens_per_s:.1f} predicted, scaled by "
+                     f"{self.scale:.2f} and held within the {min(self.seen_runs):.1f}-{max(self.seen_runs):.1f} "
+                     f"its {len(self.seen_runs)} runs measured here")
         elif self.scale != 1.0:
             speed = (f"{self.tokens_per_s:.1f} tok/s predicted, scaled by {self.scale:.2f} as the splits "
                      "measured here ran")
@@ -234,13 +241,25 @@ def pool_expert(ckpt, layer: int, fmt, device):
     return lambda x: fmt.forward(slot, x)
 
 
-def with_measured_speeds(points: list[SplitPoint], seen: dict[str, float]) -> list[SplitPoint]:
-    """The points with the tokens/s runs measured here (`seen`: key -> tokens/s at this
-    batch size): a measured split ranks by its measurement, the others by their prediction
-    scaled by the median measured / predicted."""
-    ratios = [seen[p.key] / p.predicted_tokens_per_s for p in points if p.key in seen and p.predicted_tokens_per_s > 0]
+def with_measured_speeds(points: list[SplitPoint], seen: dict[str, list[float]]) -> list[SplitPoint]:
+    """The points with the tokens/s runs measured here (`seen`: key -> its runs' tokens/s at
+    this batch size). Every split is ranked by its prediction scaled by the median measured /
+    predicted; a measured split's is held within the range its runs measured. One run: its
+    measurement. Several: where they disagree by more than the model's differences, the
+    model ranks within their spread. Runs of different splits come from different hours: on
+    the real-size Q4_K_M file (disk tier, 50 %, B = 16) 7 pinned experts a block had run at
+    32.5-40.6 tok/s and 4 at 31.7-42.1, predicted 68 and 39; ranked by its runs' medians the
+    planner took 4, which reads 35 MB a token against 25 and ran 28 tok/s where 7 ran 43."""
+    runs = {p.key: seen[p.key] for p in points if seen.get(p.key)}
+    ratios = [statistics.median(runs[p.key]) / p.predicted_tokens_per_s for p in points
+              if p.key in runs and p.predicted_tokens_per_s > 0]
     scale = statistics.median(ratios) if ratios else 1.0
-    return [replace(p, seen_tokens_per_s=seen.get(p.key), scale=scale) for p in points]
+    out = []
+    for p in points:
+        mine = tuple(runs.get(p.key, ()))
+        held = min(max(p.predicted_tokens_per_s * scale, min(mine)), max(mine)) if mine else None
+        out.append(replace(p, seen_tokens_per_s=held, scale=scale, seen_runs=mine))
+    return out
 
 
 def verify_rows(sc: Scenario, batch: int, gamma: int) -> int:

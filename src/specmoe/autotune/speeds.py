@@ -89,9 +89,15 @@ def record(fingerprint: str, tier: str, policy: str, batch: int, tokens_per_s: f
 
 def measured(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, float] | None:
     """(recorded batch size nearest to `batch` in log scale, median tokens/s there), or None."""
+    found = measured_runs(fingerprint, tier, policy, batch)
+    return None if found is None else (found[0], float(statistics.median(found[1])))
+
+
+def measured_runs(fingerprint: str, tier: str, policy: str, batch: int) -> tuple[int, list[float]] | None:
+    """(recorded batch size nearest to `batch` in log scale, the tokens/s of its recent runs), or None."""
     by_batch = read_json(FILE, well_formed).get(fingerprint, {}).get(f"{tier}/{policy}", {})
     runs = {int(b): r for b, r in by_batch.items() if isinstance(r, list) and r}
     if not runs:
         return None
     nearest = min(runs, key=lambda b: abs(math.log(b) - math.log(batch)))
-    return nearest, float(statistics.median(runs[nearest]))
+    return nearest, [float(r) for r in runs[nearest]]
