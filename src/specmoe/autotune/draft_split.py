@@ -87,9 +87,8 @@ class SplitPoint:
     batch: int
     gamma: int  # drafted tokens per step: the run's fixed gamma, or the one the tuner is predicted to settle at
     key: str = ""  # the draft as history.py and speeds.py keep it (history_key)
-    seen_tokens_per_s: float | None = None  # its runs here at this batch size: the scaled prediction held in their range
     scale: float = 1.0  # measured / predicted of the splits that were measured (median)
-    seen_runs: tuple[float, ...] = ()  # the tokens/s of those runs
+    seen_runs: tuple[float, ...] = ()  # tokens/s of this split's runs here at this batch size
     rate: float = COST_RATE  # the prior's rejection rate per sqrt(cost) (fitted_rate)
 
     @property
@@ -97,10 +96,16 @@ class SplitPoint:
         return self.batch * self.tokens_per_step / self.step_s
 
     @property
+    def seen_tokens_per_s(self) -> float | None:
+        """Where runs timed this split: its scaled prediction, held within their range."""
+        if not self.seen_runs:
+            return None
+        return min(max(self.predicted_tokens_per_s * self.scale, min(self.seen_runs)), max(self.seen_runs))
+
+    @property
     def tokens_per_s(self) -> float:
-        if self.seen_tokens_per_s is not None:
-            return self.seen_tokens_per_s
-        return self.predicted_tokens_per_s * self.scale
+        seen = self.seen_tokens_per_s
+        return self.predicted_tokens_per_s * self.scale if seen is None else seen
 
     def describe(self, room: int) -> str:
         source = ("measured" if self.measured else "prior" if self.rate == COST_RATE
@@ -254,12 +259,7 @@ def with_measured_speeds(points: list[SplitPoint], seen: dict[str, list[float]])
     ratios = [statistics.median(runs[p.key]) / p.predicted_tokens_per_s for p in points
               if p.key in runs and p.predicted_tokens_per_s > 0]
     scale = statistics.median(ratios) if ratios else 1.0
-    out = []
-    for p in points:
-        mine = tuple(runs.get(p.key, ()))
-        held = min(max(p.predicted_tokens_per_s * scale, min(mine)), max(mine)) if mine else None
-        out.append(replace(p, seen_tokens_per_s=held, scale=scale, seen_runs=mine))
-    return out
+    return [replace(p, scale=scale, seen_runs=tuple(runs.get(p.key, ()))) for p in points]
 
 
 def verify_rows(sc: Scenario, batch: int, gamma: int) -> int:
@@ -293,7 +293,7 @@ def predict(start: Start, sc: Scenario, room: int, slot_bytes: int, batch: int, 
 
     gammas = range(0, max(gamma, MAX_GAMMA) + 1) if adapt else (gamma,)
     tokens, seconds, g = max(((tokens_per_step(a, g), step_s(g), g) for g in gammas), key=lambda t: t[0] / t[1])
-    quant = {1: start.options.allowed[-1]}.get(len(start.options.allowed), "auto")
+    quant = start.options.allowed[-1] if len(start.options.allowed) == 1 else "auto"
     quant = "none" if quant == FULL else quant  # the paper's draft: full experts only
     return SplitPoint(start.limit, quant, verify_slots, plan.full_per_block, a, measured,
                       tokens, seconds, batch, g, key, rate=rate)
@@ -315,11 +315,11 @@ def kept_by_lru(sc: Scenario, batch: int, positions: int, pinned: int, slots: in
 
 def choose_split(ckpt, pool_format, sc: Scenario, budget_limit: int, room: int, slot_bytes: int, device, dtype,
                  cache, batch: int, gamma: int, measured: dict[str, float],
-                 fused_modes: tuple[str, ...], speeds_here: dict[str, float] | None = None, blocks: bool = False,
+                 fused_modes: tuple[str, ...], speeds_here: dict[str, list[float]] | None = None, blocks: bool = False,
                  adapt: bool = False) -> tuple[SplitPoint, list[SplitPoint]]:
     """(the fastest split, every split predicted). `pool_format`: how the pool holds an
     expert (the runtime's expert_format); `measured`: per-token acceptance earlier runs
-    measured (history.py); `speeds_here`: their tokens/s at this batch size (speeds.py);
+    measured (history.py); `speeds_here`: their runs' tokens/s at this batch size (speeds.py);
     `adapt`: gamma is tuned step by step (predict's)."""
     c = ckpt.config
     longest = max(gamma, MAX_GAMMA) if adapt else gamma

@@ -137,6 +137,12 @@ def _plans(doc: dict) -> str:
     return "\n\nSpecMoE's plan (the draft split it chose when the engine started):\n\n" + "\n".join(lines) + "\n"
 
 
+def llama_cpp_anchor(doc: dict, batch: int) -> dict | None:
+    """A bench document's llama.cpp anchor record at `batch` (None where it did not run)."""
+    return next((a for a in doc.get("anchors", []) if a.get("anchor") == "llama.cpp" and a.get("batch_size") == batch
+                 and not a.get("skipped")), None)
+
+
 def _read_ceiling(doc: dict, share: int) -> str:
     """The most SpecMoE could decode at each batch size with its measured reads: the fastest
     rate the disk gave any policy in the run over the bytes SpecMoE's decode steps read per
@@ -145,18 +151,17 @@ def _read_ceiling(doc: dict, share: int) -> str:
     lines = []
     for batch in sorted({r["batch_size"] for r in records}):
         at = {r["policy"]: r for r in records if r["batch_size"] == batch}
-        ours, rates = at.get("specmoe"), [r["disk_read_rate"] for r in at.values() if r.get("disk_read_rate")]
-        if not ours or not ours.get("decode_transfer_bytes_per_token") or not rates:
+        ours, rated = at.get("specmoe"), {p: r["disk_read_rate"] for p, r in at.items() if r.get("disk_read_rate")}
+        if not ours or not ours.get("decode_transfer_bytes_per_token") or not rated:
             continue
-        fastest = max(rates)
-        who = next(p for p, r in at.items() if r.get("disk_read_rate") == fastest)
+        who = max(rated, key=rated.get)
+        fastest = rated[who]
         ceiling = fastest / ours["decode_transfer_bytes_per_token"]
         asks = []
         if (share, batch) in GGUF_DISK_GOALS and "ondemand" in at:
             goal = GGUF_DISK_GOALS[share, batch]
             asks.append(f"{goal:g}x ondemand is {goal * at['ondemand']['decode_tokens_per_s']:.1f}")
-        anchor = next((a for a in doc.get("anchors", []) if a.get("anchor") == "llama.cpp"
-                       and a.get("batch_size") == batch and not a.get("skipped")), None)
+        anchor = llama_cpp_anchor(doc, batch)
         if anchor and GGUF_DISK_ANCHOR_GOAL[:2] == (share, batch):
             asks.append(f"llama.cpp ran at {anchor['decode_tokens_per_s']:.1f}")
         lines.append(f"- B = {batch}: SpecMoE's decode steps read {ours['decode_transfer_bytes_per_token'] / 1e6:.1f} MB "

@@ -108,8 +108,7 @@ def gguf_disk(docs: dict[str, dict]) -> list[Headline]:
         if ("specmoe", batch) in at and ("ondemand", batch) in at:
             out.append(_disk_headline(doc, at["specmoe", batch], at["ondemand", batch], goal, "ondemand",
                                       f"at {share} % of its experts"))
-        anchor = next((a for a in doc.get("anchors", []) if a.get("anchor") == "llama.cpp" and
-                       a.get("batch_size") == batch and not a.get("skipped")), None)
+        anchor = gguf_tables.llama_cpp_anchor(doc, batch)
         if (share, batch) == gguf_tables.GGUF_DISK_ANCHOR_GOAL[:2] and anchor and ("specmoe", batch) in at:
             out.append(_disk_headline(doc, at["specmoe", batch], anchor, gguf_tables.GGUF_DISK_ANCHOR_GOAL[2],
                                       "llama.cpp (the whole file in memory)", f"at {share} % of its experts"))
