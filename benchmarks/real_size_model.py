@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "specmoe" / "data" / "demo"
@@ -75,16 +75,17 @@ def write(src: Path, out: Path, k: int, m: int) -> Path:
     for factor in (k, m):
         if factor < 1 or factor & (factor - 1):
             raise SystemExit(f"real_size_model: factors must be powers of two (exact in bfloat16), got {factor}")
-    out.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         names = sorted(f.keys())
         shards = sorted({layer_of(n) for n in names})
+        files = {shard: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, shard in enumerate(shards, 1)}
+        require_room(out, widened_bytes(f, names, k, m), files.values())
+        out.mkdir(parents=True, exist_ok=True)
         weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        for shard, file in files.items():
             tensors = {n: widen(n, f.get_tensor(n), k, m).contiguous() for n in names if layer_of(n) == shard}
-            save_file(tensors, str(out / file), metadata={"format": "pt"})
+            save_shard(tensors, out / file)
             weight_map.update({n: file for n in tensors})
             print(f"{file}: {sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.0f} MiB",
                   file=sys.stderr, flush=True)
@@ -94,6 +95,37 @@ def write(src: Path, out: Path, k: int, m: int) -> Path:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
     return out
+
+
+def widened_bytes(f, names: list[str], k: int, m: int) -> int:
+    """What the widened tensors take, from their shapes alone (widened on the meta device)."""
+    grown = (widen(n, f.get_tensor(n).to("meta"), k, m) for n in names)
+    return sum(t.numel() * t.element_size() for t in grown)
+
+
+def require_room(out: Path, needed: int, files) -> None:
+    """Refuse, before writing anything, a widening that the disk under `out` cannot hold
+    (shards already there from an earlier run are rewritten in place and count as room)."""
+    there = out if out.exists() else next(p for p in out.parents if p.exists())
+    if there.is_file():
+        raise SystemExit(f"real_size_model: {there} is a file; give a directory as OUT_DIR")
+    rewritten = sum((out / name).stat().st_size for name in files if (out / name).is_file())
+    free = shutil.disk_usage(there).free + rewritten
+    if needed > free:
+        raise SystemExit(f"real_size_model: this widening needs {needed / 2**20:.0f} MiB and the disk under {out} "
+                         f"has {free / 2**20:.0f} MiB free: free some space there or give another OUT_DIR")
+
+
+def save_shard(tensors: dict, path: Path) -> None:
+    """One shard written whole, or none: a write that fails (a disk filling up under another
+    process, a file-size limit) leaves no partial file and says so in one line."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except (OSError, SafetensorError) as e:  # safetensors reports an I/O error as its own
+        path.unlink(missing_ok=True)
+        reason = getattr(e, "strerror", None) or str(e).rsplit("I/O error: ", 1)[-1]
+        raise SystemExit(f"real_size_model: writing {path} failed ({reason}) and was undone: "
+                         "make room there or give another OUT_DIR") from None
 
 
 def built(src: Path, out: Path, k: int, m: int) -> bool:

@@ -25,7 +25,10 @@ import functools
 import gc
 import json
 import logging
+import os
 import random
+import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -34,6 +37,7 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from torch._library.fake_class_registry import FakeScriptObject
 
@@ -549,11 +553,7 @@ def hf_greedy_reference(path, prompt: list[int], n: int) -> list[int]:
 def require_compressed_tensors():
     """The compressed-tensors library, or a skip where the quant extra cannot install it
     (Python < 3.11: on tests/skip_allowlist.txt). Missing anywhere else, it is an error."""
-    import sys
-
     if sys.version_info < (3, 11):
-        import pytest
-
         pytest.skip("compressed-tensors needs Python >= 3.11 (the quant extra installs it only there)",
                     allow_module_level=True)
     import compressed_tensors
@@ -1089,6 +1089,48 @@ def widened_demo(out: Path, hidden: int = 4, expert: int = 4) -> Path:
     """The demo model widened by benchmarks/real_size_model.py into `out` (4x: experts 3 MiB
     as stored, 384 MiB in all): real-size shapes at a size the memory tests can run."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "real_size_model.py"
-    subprocess.run([sys.executable, str(script), str(out), "--hidden-factor", str(hidden),
-                    "--expert-factor", str(expert)], check=True, capture_output=True)
+    run = subprocess.run([sys.executable, str(script), str(out), "--hidden-factor", str(hidden),
+                          "--expert-factor", str(expert)], capture_output=True, text=True)
+    assert run.returncode == 0, f"real_size_model.py exited {run.returncode}: {run.stderr[-2000:]}"
     return out
+
+
+def assert_one_line_failure(proc, *fragments):
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for fragment in fragments:
+        assert fragment.lower() in lines[0].lower(), lines[0]
+
+
+def namespace_commands(command: list[str]) -> list[list[str]]:
+    """Ways to run a script as root in a private mount namespace, with `command` in it run
+    as this user, in the order tried: a user namespace (most kernels); where those are
+    blocked (AppArmor on Ubuntu 24.04, a container), sudo, as CI's runners have it, or
+    plain unshare when this process is root."""
+    ways = [(["unshare", "--user", "--map-root-user", "--mount"], command)]
+    if os.geteuid() == 0:
+        ways.append((["unshare", "--mount"], command))
+    elif shutil.which("sudo"):
+        env = [f"{k}={v}" for k, v in os.environ.items() if k.isidentifier()]  # sudo starts from a clean one
+        as_me = ["setpriv", f"--reuid={os.getuid()}", f"--regid={os.getgid()}", "--clear-groups", "--"]
+        ways.append((["sudo", "-n", "env", *env, "unshare", "--mount"], as_me + command))
+    return ways
+
+
+def in_small_tmpfs(mount, command: list[str], size: str = "64k", read_only: bool = False):
+    """Run `command` with a fresh tmpfs of `size` on `mount` (visible to it alone); the
+    mount's listing afterwards is printed on stdout after a marker line. Where no way to a
+    mount namespace works, a skip that no allowlist entry covers: CI fails."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    options = f"size={size}" + (",ro" if read_only else "")
+    refused = []
+    for prefix, inner in namespace_commands(command):
+        script = (f"mount -t tmpfs -o {options},mode=1777 tmpfs {shlex.quote(str(mount))} || exit 99; "
+                  f"{shlex.join(inner)}; status=$?; echo LISTING; ls -A {shlex.quote(str(mount))}; exit $status")
+        proc = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, timeout=180)
+        if proc.returncode != 99 and "unshare:" not in proc.stderr and "LISTING\n" in proc.stdout:
+            return proc, proc.stdout.split("LISTING\n", 1)[1].split()
+        refused.append(f"{' '.join(prefix[:2])}: {proc.stderr.strip()[:200]}")
+    pytest.skip(f"no private mount namespace here: {'; '.join(refused)}")

@@ -5,12 +5,14 @@ demo model's, and its logits move only by float rounding."""
 from __future__ import annotations
 
 import json
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from factories import hf_greedy, hf_logits
+from factories import assert_one_line_failure, hf_greedy, hf_logits, in_small_tmpfs
 
 from specmoe.base.paths import DEMO_MODEL_DIR
 
@@ -70,3 +72,26 @@ def test_keep_leaves_a_finished_widening_and_rebuilds_another(widened, tmp_path)
     config = json.loads((partial / "config.json").read_text())
     assert config["intermediate_size"] == 2 * json.loads((DEMO_MODEL_DIR / "config.json").read_text())[
         "intermediate_size"]
+
+
+def test_a_disk_without_room_for_the_widening_is_refused_before_anything_is_written(tmp_path):
+    """Found before the first shard: the need, what is free and the path, in one line."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc, listing = in_small_tmpfs(mount, [sys.executable, str(SCRIPT), str(mount / "k4m4"),
+                                          "--hidden-factor", "4", "--expert-factor", "4"], size="8m")
+    assert_one_line_failure(proc, "needs 448 MiB", "8 MiB free", str(mount / "k4m4"), "OUT_DIR")
+    assert listing == []
+
+
+def limit_file_size():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_a_shard_that_fails_midway_is_one_line_and_removed(tmp_path):
+    out = tmp_path / "k1m1"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), "--hidden-factor", "1", "--expert-factor", "1"],
+                          capture_output=True, text=True, timeout=120, preexec_fn=limit_file_size)
+    assert_one_line_failure(proc, "file too large", str(out / "model-00001-of-00009.safetensors"), "OUT_DIR")
+    assert list(out.iterdir()) == []
