@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..base.errors import os_failure, warn
+from ..base.errors import EnvironmentFailure, os_failure, warn
 from ..base.files import locked, publish, remove_leftovers
 from ..base.progress import OneTime
 from ..base.units import format_bytes
@@ -140,6 +141,7 @@ def open_or_build(path: Path, layout: ExpertLayout, expert: Callable[[Key], byte
                 warn(f"the expert file {path} is not usable ({found.problem}); rebuilding it from the checkpoint")
             remove_leftovers(path)
             path.with_suffix(".json").unlink(missing_ok=True)  # version 1's manifest
+            _require_room(path, layout.file_size, fix)
             checksums: list[int] = []
             work = OneTime(f"writing this checkpoint's experts into the disk tier's file, once "
                            f"({format_bytes(layout.file_size)} in {path.parent})").begin()
@@ -148,6 +150,15 @@ def open_or_build(path: Path, layout: ExpertLayout, expert: Callable[[Key], byte
     except OSError as exc:
         raise os_failure(exc, f"cannot write the expert file {path}", fix) from None
     return checksums, True
+
+
+def _require_room(path: Path, size: int, fix: str) -> None:
+    """Refuse before the first byte a file the disk cannot hold: a write of many GB that
+    fails near its end costs the user minutes and says less."""
+    free = shutil.disk_usage(path.parent).free
+    if free < size:
+        raise EnvironmentFailure(f"cannot write the expert file {path}: it needs {format_bytes(size)} and the disk "
+                                 f"has {format_bytes(free)} free; {fix}")
 
 
 def _write(tmp: Path, layout: ExpertLayout, expert: Callable[[Key], bytes],
