@@ -115,11 +115,11 @@ def test_several_reads_really_are_in_flight_at_once(ckpt, tmp_path):
 class FailingStore(DiskStore):
     """Expert (0, 2)'s read fails as a disk's would (EIO), after the other readers started."""
 
-    def _pread(self, fd, direct, buf, offset):
+    def _pread(self, buf, offset):
         if offset == self.layout.offset(self.index[(0, 2)]):
             time.sleep(0.05)
             raise OSError(5, "Input/output error")
-        return super()._pread(fd, direct, buf, offset)
+        return super()._pread(buf, offset)
 
 
 def test_a_failed_read_on_one_reader_raises_in_wait_and_frees_its_slot(ckpt, tmp_path):

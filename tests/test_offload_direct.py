@@ -10,7 +10,7 @@ import pytest
 from factories import random_prompts, run_cli
 
 from specmoe import LLM, SamplingParams
-from specmoe.experts import store as store_module
+from specmoe.experts import direct_file
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -54,7 +54,7 @@ def refuse_direct_opens(monkeypatch):
         if flags & O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(path, flags, *args, **kw)
-    monkeypatch.setattr(store_module.os, "open", open_)
+    monkeypatch.setattr(direct_file.os, "open", open_)
 
 
 def refuse_direct_reads(monkeypatch):
@@ -65,7 +65,7 @@ def refuse_direct_reads(monkeypatch):
         if kernel_says_direct(fd):
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_preadv(fd, buffers, offset)
-    monkeypatch.setattr(store_module.os, "preadv", preadv)
+    monkeypatch.setattr(direct_file.os, "preadv", preadv)
 
 
 @pytest.mark.parametrize("refuse, reason", [(refuse_direct_opens, "O_DIRECT refused"),

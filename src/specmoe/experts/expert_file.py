@@ -38,8 +38,8 @@ from ..base.errors import EnvironmentFailure, os_failure, warn
 from ..base.files import locked, publish, remove_leftovers
 from ..base.progress import OneTime
 from ..base.units import format_bytes
+from .direct_file import ALIGN
 
-ALIGN = 4096  # O_DIRECT needs offsets, sizes and buffers aligned to the logical block size
 MAGIC = b"SPMOEXP\x00"
 VERSION = 3  # 1: blobs only, with a separate JSON manifest; 2: float experts only
 _PREFIX = struct.Struct("<8sQ")  # magic, header length

@@ -18,10 +18,7 @@ or a CUDA copy needs pinned staging, one expert-sized host tensor (`reader_tenso
 
 from __future__ import annotations
 
-import errno
 import mmap
-import os
-import sys
 import threading
 import time
 import zlib
@@ -32,7 +29,8 @@ import torch
 from ..base.checkpoint import Checkpoint
 from ..base.errors import SpecMoEError, os_failure, warn
 from ..base.paths import offload_dir
-from .expert_file import ALIGN, ExpertLayout, Key, open_or_build, repair_blob
+from .direct_file import DirectFile
+from .expert_file import ExpertLayout, Key, open_or_build, repair_blob
 from .formats import ExpertFormat
 from .read_meter import ReadMeter
 
@@ -176,14 +174,22 @@ class DiskStore(ExpertStore):
         self._ckpt, self._format = ckpt, fmt
         self._ckpt_lock = threading.Lock()  # the checkpoint's reader is not thread-safe; repairs run on reader threads
         self._repair_lock = threading.Lock()  # one repair (a write to the file, a counter) at a time
-        self._fd_lock = threading.Lock()
-        self._retired_fds: list[int] = []  # replaced by a fallback: another reader may still be in a read on one
         self.checksums, self.built = open_or_build(self.path, self.layout, self._checkpoint_bytes)
         self.verified = [False] * len(keys)
         self.repaired = 0  # blobs that failed their checksum and were served from the checkpoint
-        self.fd, self.direct, self.direct_reason = _open_direct(self.path)
-        if not self.direct:
-            _warn_buffered(self.path, self.direct_reason)
+        self.file = DirectFile(self.path, "put --offload-dir on a file system with direct I/O")
+
+    @property
+    def fd(self) -> int:
+        return self.file.fd
+
+    @property
+    def direct(self) -> bool:
+        return self.file.direct
+
+    @property
+    def direct_reason(self) -> str:
+        return self.file.reason
 
     def _checkpoint_bytes(self, key: Key) -> bytes:
         with self._ckpt_lock:
@@ -203,16 +209,15 @@ class DiskStore(ExpertStore):
     def _read_blob(self, i: int) -> memoryview:
         """Blob `i`'s expert bytes as they are on disk (a view of this thread's buffer)."""
         buf = self._bounce()
-        offset = self.layout.offset(i)
-        fd, direct = self.fd, self.direct
         try:
-            got = self._pread(fd, direct, buf, offset)
+            got = self._pread(buf, self.layout.offset(i))
         except OSError as exc:
             raise os_failure(exc, f"cannot read expert {self.keys[i]} from the expert file {self.path}",
                              "check the disk (dmesg), or pass --offload-dir DIR on another disk") from None
-        if not self.direct:  # drop what the read put in the page cache: the next read hits the disk
-            os.posix_fadvise(self.fd, offset, self.blob_size, os.POSIX_FADV_DONTNEED)
         return memoryview(buf)[: min(got, self.nbytes)]
+
+    def _pread(self, buf: mmap.mmap, offset: int) -> int:
+        return self.file.pread(buf, offset)
 
     def _read(self, key: Key, dest: torch.Tensor) -> None:
         i = self.index[key]
@@ -242,68 +247,8 @@ class DiskStore(ExpertStore):
                  f"({why or 'it still reads back wrong'}); reading it from the checkpoint")
         return memoryview(bytearray(data))
 
-    def _pread(self, fd: int, direct: bool, buf: mmap.mmap, offset: int) -> int:
-        try:
-            return os.preadv(fd, [buf], offset)
-        except OSError as exc:  # some file systems accept O_DIRECT at open and refuse the read
-            if not direct or exc.errno != errno.EINVAL:
-                raise
-            self._fall_back_to_buffered(fd, f"O_DIRECT read refused: {exc.strerror}")
-            return os.preadv(self.fd, [buf], offset)
-
-    def _fall_back_to_buffered(self, failed_fd: int, reason: str) -> None:
-        with self._fd_lock:
-            if self.fd != failed_fd:  # another reader fell back already
-                return
-            # not closed yet: another reader may be inside a read on it (closed by close())
-            self._retired_fds.append(self.fd)
-            self.fd, self.direct, self.direct_reason = os.open(self.path, os.O_RDONLY), False, reason
-        _warn_buffered(self.path, reason)
-
     def close(self) -> None:
-        for fd in self._retired_fds:
-            os.close(fd)
-        self._retired_fds = []
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _open_direct(path: Path) -> tuple[int, bool, str]:
-    """(fd, whether reads bypass the page cache, why or why not)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return os.open(path, os.O_RDONLY), False, f"O_DIRECT is not available on {sys.platform}"
-    try:
-        return os.open(path, os.O_RDONLY | flag), True, "O_DIRECT"
-    except OSError as exc:  # e.g. a file system without direct I/O
-        return os.open(path, os.O_RDONLY), False, f"O_DIRECT refused: {exc.strerror}"
-
-
-def _warn_buffered(path: Path, reason: str) -> None:
-    warn(f"{path.parent} does not bypass the page cache ({reason}); expert reads are buffered and dropped "
-         "with posix_fadvise(DONTNEED), so repeated reads may come from memory, not the disk: put "
-         "--offload-dir on a file system with direct I/O")
-
-
-def direct_io_support(directory: Path) -> tuple[bool, str]:
-    """Whether files in `directory` can be read with the page cache bypassed, and why
-    (for `specmoe info`): opens and reads a small file there the way the store does."""
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".direct-io-probe-{os.getpid()}"
-    try:
-        probe.write_bytes(bytes(ALIGN))
-        fd, direct, reason = _open_direct(probe)
-        try:
-            if direct:
-                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
-        except OSError as exc:
-            direct, reason = False, f"O_DIRECT read refused: {exc.strerror}"
-        finally:
-            os.close(fd)
-        return direct, reason
-    finally:
-        probe.unlink(missing_ok=True)
+        self.file.close()
 
 
 def open_store(ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, device: torch.device, tier: str,

@@ -19,7 +19,7 @@ from ..engine.host_memory import check_limit, measure_fixed, plan_limit
 from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
-from ..experts.store import direct_io_support
+from ..experts.direct_file import direct_io_support
 from ..flags import add_memory_limit_arg, add_model_args
 from ..kernels import blockdot
 from ..kernels.blockdot import as_stored
