@@ -14,6 +14,7 @@ from factories import random_prompts  # noqa: E402
 from gguf_factories import make_gguf, reference_logprobs, reference_model  # noqa: E402
 
 from specmoe import LLM, SamplingParams  # noqa: E402
+from specmoe.base.gguf_checkpoint import GGUFCheckpoint  # noqa: E402
 from specmoe.base.gguf_file import GGUFFile  # noqa: E402
 from specmoe.base.gguf_layout import HEADER  # noqa: E402
 
@@ -161,18 +162,31 @@ def test_blocks_in_different_encodings_read_and_offload_exactly(tmp_path):
     ref.close()
 
 
-def test_the_expert_file_header_records_the_gguf_encoding(resident, tmp_path):
-    import json
+IN_PLACE = [("gpt_oss", "MXFP4", {}), ("qwen3_moe", "BF16", {}), ("mixtral", "Q4_0", {"down_types": {0: "Q8_0"}}),
+            ("mixtral", "Q8_0", {"split_max_tensors": 10})]
 
-    path, _, _ = resident("gpt_oss", "MXFP4")
-    llm = LLM(model=str(path), policy="ondemand", offload="disk", device_memory="60%", offload_dir=str(tmp_path),
+
+@pytest.mark.parametrize(("family", "type_name", "kw"), IN_PLACE, ids=["biases", "bf16", "mixed", "shards"])
+def test_the_disk_tier_reads_each_expert_from_the_gguf_file_itself(tmp_path, family, type_name, kw):
+    """No copy of the experts is written: every read, from the file (or its shards) with the
+    page cache bypassed, gives the blob the checkpoint's own reader assembles, biases, a
+    block in another encoding and a tensor split over two files included."""
+    _, path = make_gguf(tmp_path, family, type_name, **kw)
+    path = min(tmp_path.glob(f"{path.stem}*.gguf"))  # a split file: its first shard
+    offload = tmp_path / "offload"
+    llm = LLM(model=str(path), policy="ondemand", offload="disk", device_memory="60%", offload_dir=str(offload),
               **SHAPE)
-    store = llm.engine.policy.store
-    with open(store.path, "rb") as f:
-        f.seek(8)
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    assert header["quantization"]["source"] == "gguf" and header["quantization"]["scheme"] == "MXFP4"
-    assert header["expert_bytes"] == store.nbytes == llm.engine.config.expert_quant.nbytes
+    store, ckpt = llm.engine.policy.store, GGUFCheckpoint(path)  # its own reader: buffered, whole slices
+    assert store.tier == "disk" and set(store.files) <= set(GGUFFile(path).paths)
+    assert (len(store.files) > 1) == ("split_max_tensors" in kw)
+    dest = torch.empty(store.numel, dtype=torch.uint8)
+    for key in store.keys:
+        store.read_into(key, dest.fill_(0xAB))
+        want = ckpt.expert_blob(*key)
+        assert torch.equal(dest[:want.numel()], want) and not dest[want.numel():].any(), key
+    llm.generate(random_prompts(2, max_len=8), GREEDY)
+    assert llm.last_stats["transfer_bytes"] > 0
+    assert not list(offload.glob("experts-*")) if offload.exists() else True
     llm.close()
 
 
