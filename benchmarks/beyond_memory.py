@@ -14,7 +14,7 @@ memory would pass it, as on a machine with that much memory.
 - specmoe's SpecMoE policy on the disk tier (page cache bypassed) with `--memory-limit` set
   to the cap: the budget for weights, KV cache, draft and pool derived from it.
 
-Before each run the model file (and specmoe's expert file) are dropped from the page cache.
+Before each run the model file is dropped from the page cache (specmoe's disk tier reads it in place).
 Both engines: the same token ids (held-out prompts, each cut to 48 tokens), greedy, the same thread count, B
 prompts per run (2 at B = 1, one after the other). Rounds interleave the engines (specmoe
 first in even rounds). Per run: decode tokens/s, the cgroup's peak and OOM kills, bytes
@@ -170,10 +170,10 @@ def prompt_ids(model: Path, n: int, length: int) -> list[list[int]]:
 
 
 def prepare_specmoe(model: Path, offload_dir: Path, threads: int, policy: str, limit: int) -> list[Path]:
-    """A first run's one-time work, done once outside the caps and the timing: the disk tier's
-    expert file, and SpecMoE's affinity table and draft measurements (computed in float32 a
-    block at a time: more than the smaller cap holds at this size). Returns the expert file
-    with the other files each run must find cold."""
+    """A first run's one-time work, done once outside the caps and the timing: SpecMoE's
+    affinity table and draft measurements (computed in float32 a block at a time: more than
+    the smaller cap holds at this size). Returns the expert files a run must find cold
+    (none: the disk tier reads a GGUF file in place; kept for a checkpoint that gets one)."""
     from specmoe import LLM, SamplingParams
 
     llm = LLM(model=str(model), device="cpu", policy=policy, offload="disk", offload_dir=str(offload_dir),
@@ -184,7 +184,7 @@ def prepare_specmoe(model: Path, offload_dir: Path, threads: int, policy: str, l
 
 
 def device_rates(path: Path, size: int = 1 << 30) -> dict:
-    """The disk's read rates on specmoe's own expert file, page cache bypassed, as
+    """The disk's read rates on the file the disk tier reads, page cache bypassed, as
     `specmoe calibrate` measures them: large reads in file order, and expert-sized reads at
     shuffled offsets with the disk tier's reads in flight."""
     from specmoe.autotune.measure import _read_direct, _read_random
@@ -239,7 +239,7 @@ def summarize(records: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
-    p.add_argument("--workdir", type=Path, help="where the model is built (and kept) and specmoe's expert file goes")
+    p.add_argument("--workdir", type=Path, help="where the model is built (and kept) and specmoe's caches go")
     p.add_argument("--model", type=Path, help="a Q4_K_M GGUF file to use instead of building the model")
     p.add_argument("--keep-checkpoint", action="store_true", help="keep the widened bfloat16 checkpoint and its GGUF")
     p.add_argument("--caps", default=",".join(map(str, DEFAULT_CAPS)), help="caps as shares of the file's size")

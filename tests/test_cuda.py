@@ -28,7 +28,8 @@ from specmoe.base.trace import read_trace
 from specmoe.experts.budget import DeviceBudget
 from specmoe.experts.formats import FloatFormat
 from specmoe.experts.pool import DevicePool
-from specmoe.experts.store import HostStore, open_store
+from specmoe.experts.store import HostStore
+from specmoe.experts.tiers import open_store
 from specmoe.experts.transfer import TransferEngine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

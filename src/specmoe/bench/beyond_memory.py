@@ -103,7 +103,7 @@ def read_rate(doc: dict) -> str:
                          f"sequential {_rate(seq)}{beside} (goal: ≥ {READ_RATE_GOAL:.0%} of the sequential rate in "
                          f"every round: {'met' if low / seq >= READ_RATE_GOAL else 'not met'})")
     if seq:
-        lines.insert(0, f"The device, measured on specmoe's expert file before the runs: sequential {_rate(seq)} "
+        lines.insert(0, f"The device, measured on the file the disk tier reads, before the runs: sequential {_rate(seq)} "
                         f"(16 MiB reads in order, one in flight), random {_rate(device.get('random'))} (16 MiB reads "
                         f"at shuffled offsets, {device.get('depth')} in flight, as the disk tier reads).")
     return "\n".join(lines)

@@ -253,19 +253,3 @@ def checked_read_depth(read_depth) -> int:
     if not isinstance(read_depth, int) or isinstance(read_depth, bool) or read_depth < 1:
         raise SpecMoEError(f"disk read depth must be a whole number >= 1, got {read_depth!r}")
     return read_depth
-
-
-def open_store(ckpt: Checkpoint, keys: list[Key], fmt: ExpertFormat, device: torch.device, tier: str,
-               directory: str | None = None, bandwidth: float | None = None) -> ExpertStore:
-    """The offload tier `tier` of these experts. A GGUF file kept in its encoding is the disk
-    tier itself (gguf_store.py); every other checkpoint gets an expert file of aligned blobs."""
-    from .gguf_store import GGUFFileStore, reads_in_place  # it builds on this module's ExpertStore
-
-    cuda = device.type == "cuda"
-    if tier == "host":
-        return HostStore(ckpt, keys, fmt, pin=cuda, bandwidth=bandwidth)
-    if tier == "disk" and reads_in_place(ckpt, fmt):
-        return GGUFFileStore(ckpt, keys, fmt, bandwidth, cuda=cuda)
-    if tier == "disk":
-        return DiskStore(ckpt, keys, fmt, directory, bandwidth, cuda=cuda)
-    raise SpecMoEError(f"unknown offload tier {tier!r}; choose one of: disk, host")

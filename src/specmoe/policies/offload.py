@@ -8,7 +8,7 @@ import torch
 
 from ..experts.executor import BlockExecutor
 from ..experts.pool import DevicePool, Key, slots_for_budget
-from ..experts.store import open_store
+from ..experts.tiers import open_store
 from ..experts.transfer import TransferEngine
 from ..model.moe import Routing, group_by_expert
 from .base import Policy, Runtime, reserve_scratch

@@ -16,7 +16,8 @@ from ...base.units import format_bytes
 from ...costmodel.shapes import ModelShape
 from ...experts.formats import FloatFormat
 from ...experts.pool import Key
-from ...experts.store import ExpertStore, open_store
+from ...experts.store import ExpertStore
+from ...experts.tiers import open_store
 from .errors import ReplayError
 from .schedule import LayerMap
 
