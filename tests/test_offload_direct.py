@@ -100,6 +100,22 @@ def test_info_says_whether_the_offload_dir_bypasses_the_page_cache(direct_dir, c
     assert info["offload_direct"] is False and "refused" in info["offload_direct_reason"]
 
 
+def test_info_on_a_gguf_file_says_whether_reads_of_the_file_itself_bypass_the_page_cache(direct_dir, capsys,
+                                                                                         monkeypatch):
+    """The disk tier reads a GGUF file in place: info probes the file, not --offload-dir."""
+    pytest.importorskip("gguf")
+    from gguf_factories import make_gguf
+
+    _, path = make_gguf(direct_dir / "gguf", "mixtral", "Q8_0")
+    code, out, _ = run_cli(capsys, "info", "--model", str(path), "--offload-dir", str(direct_dir), "--json")
+    info = json.loads(out)
+    assert code == 0 and info["offload_reads"] == str(path) and info["offload_direct"] is True
+    refuse_direct_opens(monkeypatch)
+    code, out, _ = run_cli(capsys, "info", "--model", str(path), "--offload-dir", str(direct_dir), "--json")
+    info = json.loads(out)
+    assert info["offload_direct"] is False and "refused" in info["offload_direct_reason"]
+
+
 def test_each_runs_read_time_counts_that_runs_reads_only(tiny_ckpt, direct_dir):
     # throttled reads take most of a run; read time carried over from earlier runs would
     # outgrow the later runs' own wall time, timed here around each call

@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--policy", default="resident", help="resident | ondemand | overlap | caching | host | specmoe | auto")
     p.add_argument("--offload", default="disk", help="where offloaded experts live: disk | host (default disk)")
-    p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: a cache dir)")
+    p.add_argument("--offload-dir", help="directory for the disk tier's expert file (default: a cache dir; "
+                   "a GGUF file is read in place and only caches go there)")
     p.add_argument("--offload-bandwidth", help="cap the slow tier's read rate, e.g. 200MB/s (an emulation of a slower link)")
     p.add_argument("--device-memory", help="device budget for weights, KV cache and experts, e.g. 512MiB, 24G "
                    "(K/M/G/T are binary: 24G = 24GiB; kB/MB/GB are decimal); or 30%%: non-expert weights + KV cache "

@@ -98,3 +98,18 @@ def direct_io_support(directory: Path) -> tuple[bool, str]:
         return direct, reason
     finally:
         probe.unlink(missing_ok=True)
+
+
+def direct_read_support(path: Path) -> tuple[bool, str]:
+    """Whether `path` itself can be read with the page cache bypassed, and why (for `specmoe
+    info` on a GGUF file, which the disk tier reads in place): its first block read as the
+    store reads it, nothing written."""
+    fd, direct, reason = open_direct(path)
+    try:
+        if direct:
+            os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
+    except OSError as exc:
+        direct, reason = False, f"O_DIRECT read refused: {exc.strerror}"
+    finally:
+        os.close(fd)
+    return direct, reason

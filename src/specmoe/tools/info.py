@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..base.gguf_checkpoint import GGUFCheckpoint, open_checkpoint, tensor_kind
+from ..base.gguf_file import is_gguf, model_file
 from ..base.memory import anon_rss_bytes, host_bound
 from ..base.config import EngineConfig, expert_share
 from ..base.paths import offload_dir, resolve_model_dir
@@ -19,7 +20,7 @@ from ..engine.host_memory import check_limit, measure_fixed, plan_limit
 from ..experts.formats import ExpertFormat, checkpoint_expert_dtype, checkpoint_format, expert_format
 from ..experts.quant import BITS, draft_kernel_choices, draft_modes, expert_matrices, kernel_notes
 from ..experts.quant_report import quant_error_report
-from ..experts.direct_file import direct_io_support
+from ..experts.direct_file import direct_io_support, direct_read_support
 from ..flags import add_memory_limit_arg, add_model_args
 from ..kernels import blockdot
 from ..kernels.blockdot import as_stored
@@ -42,7 +43,8 @@ def register(subparsers) -> None:
     i.add_argument("--draft-memory", help="report what SpecMoE's draft would hold in this many bytes (e.g. 400MiB) "
                    "or share of --device-memory (e.g. 20%%), with --draft-quant's ways (default auto: each expert's)")
     i.add_argument("--offload-dir", help="where the disk tier's expert file would live (default: the cache dir); "
-                   "info says whether reads there bypass the page cache")
+                   "info says whether reads there bypass the page cache (for a GGUF file, read in place: "
+                   "whether reads of the file do)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=run_info)
 
@@ -54,7 +56,12 @@ def run_info(args) -> int:
                       draft_memory=args.draft_memory, cache_dir=directory, memory_limit=args.memory_limit,
                       policy=args.policy, offload=args.offload, device=args.device)
     info["offload_dir"] = str(directory)
-    info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
+    model = resolve_model_dir(args.model)
+    if args.offload == "disk" and is_gguf(model):  # the disk tier reads the GGUF file in place
+        info["offload_reads"] = str(model_file(model))
+        info["offload_direct"], info["offload_direct_reason"] = direct_read_support(model_file(model))
+    else:
+        info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
     if args.json:
         print(json.dumps(info))
     else:
