@@ -87,15 +87,7 @@ def direct_io_support(directory: Path) -> tuple[bool, str]:
     probe = directory / f".direct-io-probe-{os.getpid()}"
     try:
         probe.write_bytes(bytes(ALIGN))
-        fd, direct, reason = open_direct(probe)
-        try:
-            if direct:
-                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
-        except OSError as exc:
-            direct, reason = False, f"O_DIRECT read refused: {exc.strerror}"
-        finally:
-            os.close(fd)
-        return direct, reason
+        return direct_read_support(probe)
     finally:
         probe.unlink(missing_ok=True)
 

@@ -14,7 +14,6 @@ check (the file is the checkpoint, as it is for llama.cpp).
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +75,16 @@ def expert_slices(ckpt, layer: int, expert: int) -> list[Slice]:
     return out
 
 
+def gaps(slices: list[Slice], size: int) -> list[tuple[int, int]]:
+    """The ranges of a `size`-byte blob that neither the header nor a slice fills."""
+    out, end = [], HEADER
+    for piece in sorted(slices, key=lambda p: p.at):
+        if piece.at > end:
+            out.append((end, piece.at))
+        end = max(end, piece.at + piece.nbytes)
+    return out + ([(end, size)] if end < size else [])
+
+
 class GGUFFileStore(ExpertStore):
     """The experts of a GGUF checkpoint, read from the GGUF file (and its shards)."""
 
@@ -88,6 +97,7 @@ class GGUFFileStore(ExpertStore):
         self.slices = {key: expert_slices(ckpt, *key) for key in keys}
         self._headers = {layer: torch.tensor(q.header(types), dtype=torch.uint8) for layer, types in q.layer_types}
         self._span_bytes = max(s.span[1] - s.span[0] for slices in self.slices.values() for s in slices)
+        self._gaps = {layer: gaps(slices, self.numel) for (layer, _), slices in self.slices.items()}
         self.files = {path: DirectFile(path, "move the GGUF file to a file system with direct I/O")
                       for path in dict.fromkeys(s.path for slices in self.slices.values() for s in slices)}
 
@@ -102,15 +112,10 @@ class GGUFFileStore(ExpertStore):
     def _bounce_bytes(self) -> int:
         return self._span_bytes
 
-    def _bounce(self) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = mmap.mmap(-1, self._span_bytes)  # page-aligned, as O_DIRECT requires
-        return buf
-
     def _read(self, key: Key, dest: torch.Tensor) -> None:
         blob = dest.view(torch.uint8)
-        blob.zero_()  # the padding between sections, and past a smaller blob of a mixed file
+        for start, stop in self._gaps[key[0]]:  # the padding between sections, and past a smaller blob
+            blob[start:stop] = 0
         blob[:HEADER] = self._headers[key[0]]
         for piece in self.slices[key]:
             blob[piece.at:piece.at + piece.nbytes] = torch.frombuffer(self._read_slice(key, piece), dtype=torch.uint8)

@@ -78,6 +78,13 @@ class ExpertStore:
     def _bounce_bytes(self) -> int:
         return 0
 
+    def _bounce(self) -> mmap.mmap:
+        """This thread's aligned bounce buffer of `_bounce_bytes()` (one per reader thread)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, self._bounce_bytes())  # page-aligned, as O_DIRECT requires
+        return buf
+
     def reader_tensor(self) -> torch.Tensor:
         """This thread's expert-sized host tensor (a read converted from, or staged for a
         CUDA copy from; pinned on CUDA), made on first use: readers never share one."""
@@ -195,14 +202,6 @@ class DiskStore(ExpertStore):
 
     def _bounce_bytes(self) -> int:
         return self.blob_size
-
-    def _bounce(self) -> mmap.mmap:
-        """This thread's aligned bounce buffer (one per reader thread)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = mmap.mmap(-1, self.blob_size)  # page-aligned, as O_DIRECT requires
-            self._local.buf = buf
-        return buf
 
     def _read_blob(self, i: int) -> memoryview:
         """Blob `i`'s expert bytes as they are on disk (a view of this thread's buffer)."""

@@ -58,8 +58,9 @@ def run_info(args) -> int:
     info["offload_dir"] = str(directory)
     model = resolve_model_dir(args.model)
     if args.offload == "disk" and is_gguf(model):  # the disk tier reads the GGUF file in place
-        info["offload_reads"] = str(model_file(model))
-        info["offload_direct"], info["offload_direct_reason"] = direct_read_support(model_file(model))
+        read = model_file(model)
+        info["offload_reads"] = str(read)
+        info["offload_direct"], info["offload_direct_reason"] = direct_read_support(read)
     else:
         info["offload_direct"], info["offload_direct_reason"] = direct_io_support(directory)
     if args.json:
